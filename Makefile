@@ -1,0 +1,55 @@
+# Training recipes: `make train` then `make test` on a fresh machine; `make help` for the rest.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+RECIPE ?= pretrain_clm
+RUN_CONFIG ?= recipes/configs/pretrain_tiny.yaml
+# The launcher config: DDP on every GPU when there is one, else 2 CPU processes.
+ACCEL_CONFIG ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo accelerate_configs/ddp.yaml || echo accelerate_configs/cpu.yaml)
+ARGS ?=
+PORT ?= 5000
+MLFLOW_DB := sqlite:///$(CURDIR)/mlflow.db
+
+.DEFAULT_GOAL := help
+.PHONY: help setup data train test test-all ui bench lint format clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+setup: $(STAMP)  ## create .venv with the pinned requirements and infra installed (editable)
+
+$(STAMP): requirements.txt pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $@
+
+data: setup  ## tokenize and pack the default corpus (the Python standard library) into data/stdlib
+	$(BIN)/python -m infra.data.prepare --output_dir data/stdlib
+
+train: data  ## pretrain the default model (RECIPE=, RUN_CONFIG=, ACCEL_CONFIG=, ARGS= to change)
+	$(BIN)/accelerate launch --config_file $(ACCEL_CONFIG) recipes/$(RECIPE).py --config $(RUN_CONFIG) $(ARGS)
+
+test: setup  ## run the test suite (multi-process tests included, slow ones not)
+	$(BIN)/python -m pytest -m "not slow"
+
+test-all: setup  ## run every test, slow ones too
+	$(BIN)/python -m pytest
+
+ui: setup  ## serve the MLflow UI for this repository's runs on http://127.0.0.1:$(PORT)
+	$(BIN)/mlflow ui --backend-store-uri $(MLFLOW_DB) --default-artifact-root $(CURDIR)/mlruns --host 127.0.0.1 --port $(PORT)
+
+bench: data  ## tokens/s of the recipe with all infra against a bare Accelerate loop, as a ratio
+	$(BIN)/python benchmarks/recipe_overhead.py
+
+lint: setup  ## ruff: lint and formatting
+	$(BIN)/ruff check .
+
+format: setup  ## ruff: fix what can be fixed
+	$(BIN)/ruff check --fix .
+
+clean:  ## remove runs, prepared data and the local MLflow store (not .venv)
+	rm -rf runs data mlflow.db mlruns

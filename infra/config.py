@@ -1,0 +1,208 @@
+"""Typed configuration: dataclasses + a YAML file (`--config`) + command-line overrides.
+
+Built on `transformers.HfArgumentParser`. YAML values go through the same argparse type
+conversion as command-line flags, so a value is checked the same way wherever it comes from.
+Everything is validated before any process group, file or MLflow run exists; a bad value ends
+the program with one line naming the field, the value and what is accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from transformers import HfArgumentParser
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased for the user in one sentence."""
+
+
+@dataclass
+class TrainingArguments:
+    """What every recipe shares: the loop, the optimizer, checkpoints and tracking.
+
+    Names follow `transformers.TrainingArguments` where a field means the same thing.
+    """
+
+    output_dir: str = field(default="runs/default", metadata={"help": "Where checkpoints, the exported model and logs go."})
+    run_name: str | None = field(default=None, metadata={"help": "MLflow run name; generated from the main hyperparameters if unset."})
+    experiment_name: str | None = field(default=None, metadata={"help": "MLflow experiment; the recipe's name if unset."})
+    report_to: Literal["mlflow", "none"] = field(default="mlflow", metadata={"help": "Experiment tracker to log to."})
+    seed: int = field(default=42, metadata={"help": "Seed for model init, data order and dropout."})
+
+    max_steps: int = field(default=200, metadata={"help": "Optimizer steps to train for."})
+    per_device_train_batch_size: int = field(default=8, metadata={"help": "Samples per process per micro-step."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-steps per optimizer step."})
+    learning_rate: float = field(default=1e-3, metadata={"help": "Peak learning rate after warmup."})
+    warmup_steps: int = field(default=20, metadata={"help": "Linear warmup steps before the cosine decay."})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "Cosine decay floor, as a fraction of learning_rate."})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay (not applied to norms and biases)."})
+    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
+    adam_beta2: float = field(default=0.95, metadata={"help": "AdamW beta2."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm (0 disables clipping)."})
+    mixed_precision: Literal["bf16", "fp16", "no"] = field(default="bf16", metadata={"help": "Autocast precision."})
+
+    logging_steps: int = field(default=10, metadata={"help": "Log metrics every N optimizer steps."})
+    save_steps: int = field(default=100, metadata={"help": "Save a checkpoint every N optimizer steps (0: only at the end)."})
+    save_total_limit: int | None = field(default=2, metadata={"help": "Keep the newest N checkpoints (None keeps all)."})
+    resume_from_checkpoint: str = field(
+        default="auto",
+        metadata={"help": "'auto' resumes from the newest checkpoint in output_dir, 'none' starts fresh, or a checkpoint path."},
+    )
+    ddp_timeout: int = field(default=1800, metadata={"help": "Seconds a collective may wait before the job fails instead of hanging."})
+
+    def __post_init__(self):
+        for name in ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps"):
+            require(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
+        for name in ("warmup_steps", "save_steps", "ddp_timeout"):
+            require(getattr(self, name) >= 0, name, getattr(self, name), "an integer >= 0")
+        require(self.learning_rate > 0, "learning_rate", self.learning_rate, "a number > 0")
+        require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
+        require(self.max_grad_norm >= 0, "max_grad_norm", self.max_grad_norm, "a number >= 0")
+        require(
+            self.save_total_limit is None or self.save_total_limit >= 1,
+            "save_total_limit", self.save_total_limit, "an integer >= 1 or null",
+        )
+        if self.resume_from_checkpoint not in ("auto", "none"):
+            require(
+                Path(self.resume_from_checkpoint).is_dir(),
+                "resume_from_checkpoint", self.resume_from_checkpoint, "'auto', 'none' or an existing checkpoint directory",
+            )
+
+
+def require(ok: bool, name: str, value: Any, accepted: str) -> None:
+    """Raise a one-sentence ConfigError unless `ok`."""
+    if not ok:
+        raise ConfigError(f"{name}={value!r} is not valid: expected {accepted}")
+
+
+class _Parser(HfArgumentParser):
+    """HfArgumentParser whose errors are exceptions rather than a usage dump and exit."""
+
+    def error(self, message):
+        message = re.sub(r"argument --(\w+)/--[\w-]+", r"argument --\1", message)
+        bad_type = re.fullmatch(r"argument --(\w+): invalid (\w+) value: (.*)", message)
+        if bad_type:
+            name, kind, value = bad_type.groups()
+            message = f"{name}={value} is not valid: expected {_KINDS.get(kind, kind)}"
+        raise ConfigError(message)
+
+
+_KINDS = {"int": "an integer", "float": "a number", "string_to_bool": "true or false"}
+
+
+def parse_config(dataclass_types: tuple[type, ...], argv: list[str] | None = None) -> tuple:
+    """Parse `--config file.yaml` plus command-line overrides into the given dataclasses.
+
+    On any problem prints one line to stderr and exits with status 2, having created nothing.
+    """
+    try:
+        return _parse(dataclass_types, sys.argv[1:] if argv is None else list(argv))
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _parse(dataclass_types: tuple[type, ...], argv: list[str]) -> tuple:
+    parser = _Parser(dataclass_types, allow_abbrev=False)  # a typo must not silently match a longer flag
+    parser.add_argument("--config", type=str, default=None, help="YAML file of field: value; flags override it.")
+    known, _ = parser.parse_known_args(argv)  # --help prints and exits here
+
+    fields = {f.name: f for dtype in dataclass_types for f in dataclasses.fields(dtype) if f.init}
+    yaml_argv, nulls = [], []
+    if known.config is not None:
+        values = _read_yaml(known.config)
+        for key, value in values.items():
+            if key not in fields:
+                close = difflib.get_close_matches(key, fields, n=1)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                raise ConfigError(f"{known.config}: unknown key '{key}'{hint}")
+            if value is None:
+                nulls.append(key)
+            else:
+                yaml_argv += _as_flags(key, value)
+        try:  # the YAML alone first, so that an error names the file it came from
+            parser.parse_args_into_dataclasses(args=yaml_argv, look_for_args_file=False)
+        except ConfigError as err:
+            raise ConfigError(f"{known.config}: {err}") from None
+
+    cli = _without_flag(argv, "--config")
+    *outputs, unknown = parser.parse_args_into_dataclasses(
+        args=yaml_argv + cli, look_for_args_file=False, return_remaining_strings=True
+    )
+    if unknown:
+        flag = next((a for a in unknown if a.startswith("--")), unknown[0])
+        close = difflib.get_close_matches(flag.lstrip("-").split("=")[0], fields, n=1)
+        hint = f" (did you mean '--{close[0]}'?)" if close else ""
+        raise ConfigError(f"unknown argument {' '.join(unknown)!r}{hint}")
+    outputs = [o for o in outputs if dataclasses.is_dataclass(o)]
+    cli_keys = {a[2:].split("=")[0].replace("-", "_") for a in cli if a.startswith("--")}
+    for obj in outputs:  # `key: null` in the YAML, unless a flag set the key again
+        names = {f.name for f in dataclasses.fields(obj)}
+        for key in set(nulls) & names - cli_keys:
+            setattr(obj, key, None)
+        if set(nulls) & names and hasattr(obj, "__post_init__"):
+            obj.__post_init__()
+    return tuple(outputs)
+
+
+def _read_yaml(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    try:
+        values = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: expected a mapping of field: value, got {type(values).__name__}")
+    return values
+
+
+def _as_flags(key: str, value: Any) -> list[str]:
+    if isinstance(value, list):
+        return [f"--{key}", *map(str, value)]
+    if isinstance(value, (dict, tuple, set)):
+        raise ConfigError(f"{key}={value!r} is not valid: expected a single value")
+    return [f"--{key}", str(value)]
+
+
+def _without_flag(argv: list[str], flag: str) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
+
+
+def resolved(*configs) -> dict[str, dict[str, Any]]:
+    """The resolved configuration, one section per dataclass (as saved next to checkpoints)."""
+    return {type(c).__name__: dataclasses.asdict(c) for c in configs}
+
+
+def flatten(config: dict, prefix: str = "") -> dict[str, Any]:
+    """`{"a": {"b": 1}}` -> `{"a.b": 1}`: the dotted names MLflow shows as params."""
+    flat = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def to_json(config: dict) -> str:
+    return json.dumps(config, indent=2, sort_keys=True, default=str)

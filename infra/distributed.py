@@ -1,0 +1,82 @@
+"""Build the Accelerator the same way for every recipe, and refuse launches that would go wrong.
+
+`accelerate launch` decides the strategy (DDP, DeepSpeed ZeRO, FSDP) from its config file; the
+recipe code is identical for all of them. Two things need help on machines without a GPU
+(see PITFALLS.md): the multi-GPU launcher does not tell its CPU processes to form a group, and
+DeepSpeed needs the gloo backend.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, InitProcessGroupKwargs
+
+from infra.config import TrainingArguments
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class LaunchError(RuntimeError):
+    """The processes of this launch do not form the job they were launched as."""
+
+
+def launched_world_size() -> int:
+    """How many processes the launcher started (1 when run as a plain script)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def build_accelerator(args: TrainingArguments, log_with: str | None = None) -> Accelerator:
+    """The recipe's Accelerator: mixed precision, accumulation, timeouts and CPU fixes applied."""
+    on_cpu = not torch.cuda.is_available()
+    if on_cpu and launched_world_size() > 1:
+        # accelerate's multi-GPU launcher does not pass ACCELERATE_USE_CPU to its workers; without
+        # it each CPU process believes it is alone and every rank would train and write as rank 0.
+        os.environ["ACCELERATE_USE_CPU"] = "1"
+    # DeepSpeed JIT-builds its CPU ops on first use (~1 min); keep them between runs.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+
+    timeout = timedelta(seconds=args.ddp_timeout)
+    init = InitProcessGroupKwargs(backend="gloo", timeout=timeout) if on_cpu else InitProcessGroupKwargs(timeout=timeout)
+    accelerator = Accelerator(
+        mixed_precision=args.mixed_precision,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        log_with=log_with,
+        step_scheduler_with_optimizer=False,  # the recipe steps the schedule once per optimizer step
+        kwargs_handlers=[init],
+    )
+    check_world(accelerator)
+    configure_deepspeed(accelerator, args)
+    return accelerator
+
+
+def check_world(accelerator: Accelerator) -> None:
+    """Refuse a launch whose processes do not see each other (each would act as rank 0)."""
+    launched = launched_world_size()
+    if accelerator.num_processes != launched:
+        raise LaunchError(
+            f"the launcher started {launched} processes but this one sees a group of {accelerator.num_processes}: "
+            "they would each train and write as rank 0. Use an accelerate config from accelerate_configs/ "
+            "(cpu.yaml on machines without a GPU)."
+        )
+
+
+def configure_deepspeed(accelerator: Accelerator, args: TrainingArguments) -> None:
+    """Give DeepSpeed the batch geometry it would otherwise read from a prepared DataLoader.
+
+    Recipes feed each rank from a ResumableLoader rather than through `accelerator.prepare`, so
+    the values DeepSpeed's config leaves as "auto" are set here, from the one place they live.
+    """
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return
+    config = accelerator.state.deepspeed_plugin.deepspeed_config
+    config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
+    config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
+    config["train_batch_size"] = (
+        args.per_device_train_batch_size * args.gradient_accumulation_steps * accelerator.num_processes
+    )
+    config["gradient_clipping"] = args.max_grad_norm

@@ -1,0 +1,47 @@
+"""Durable file operations: what is renamed into place has reached the disk first."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and folder below `root` (children before parents)."""
+    for folder, _, files in os.walk(root, topdown=False):
+        for name in files:
+            fsync_file(Path(folder) / name)
+        fsync_dir(Path(folder))
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write, flush and fsync `path.tmp`, then rename it over `path`."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

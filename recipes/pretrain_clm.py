@@ -1,0 +1,202 @@
+"""Pretrain a Llama-style causal language model on prepared token shards.
+
+    make train                                                        # the default, on this machine
+    accelerate launch --config_file accelerate_configs/cpu.yaml recipes/pretrain_clm.py \
+        --config recipes/configs/pretrain_tiny.yaml                   # 2 CPU processes (gloo)
+    accelerate launch --config_file accelerate_configs/ddp.yaml recipes/pretrain_clm.py \
+        --config recipes/configs/pretrain_tiny.yaml                   # every GPU of one node
+    accelerate launch --config_file accelerate_configs/zero3.yaml recipes/pretrain_clm.py \
+        --config recipes/configs/pretrain_tiny.yaml --learning_rate 3e-4
+
+Any flag overrides the YAML. The run resumes by itself from the newest checkpoint in
+`output_dir` (`--resume_from_checkpoint none` starts over) and continues the same MLflow run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    get_cosine_with_min_lr_schedule_with_warmup,
+)
+
+from infra.checkpoint import CheckpointManager, TrainState, environment_facts
+from infra.config import ConfigError, TrainingArguments, parse_config, require, resolved
+from infra.data import DataCursor, PackedDataset, ResumableLoader, SampleTrace
+from infra.distributed import build_accelerator
+from infra.health import check_replicas_in_sync
+from infra.metrics import Throughput
+from infra.tracking import run_name_for, start_run
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str | None = field(default=None, metadata={"help": "Start from these weights (path or hub id); else a new model from the fields below."})
+    hidden_size: int = field(default=128, metadata={"help": "Width of the residual stream."})
+    intermediate_size: int = field(default=344, metadata={"help": "Width of the MLP."})
+    num_hidden_layers: int = field(default=2, metadata={"help": "Decoder layers."})
+    num_attention_heads: int = field(default=4, metadata={"help": "Attention heads."})
+    num_key_value_heads: int | None = field(default=None, metadata={"help": "KV heads for grouped-query attention (default: all)."})
+    attention_dropout: float = field(default=0.0, metadata={"help": "Dropout on attention probabilities."})
+
+    def __post_init__(self):
+        require(self.hidden_size % self.num_attention_heads == 0, "hidden_size", self.hidden_size,
+                f"a multiple of num_attention_heads={self.num_attention_heads}")
+        require(0 <= self.attention_dropout < 1, "attention_dropout", self.attention_dropout, "a number in [0, 1)")
+
+
+@dataclass
+class DataArguments:
+    data_dir: str = field(default="data/stdlib", metadata={"help": "Prepared shards (python -m infra.data.prepare)."})
+    num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes per rank."})
+    verify_checksums: bool = field(default=False, metadata={"help": "sha256 every shard before training."})
+    trace_samples: bool = field(default=False, metadata={"help": "Log each step's global sample ids to OUTPUT_DIR/trace/rank{r}.jsonl."})
+
+
+def build_model(args: ModelArguments, tokenizer, seq_len: int):
+    if args.model_name_or_path:
+        return AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.num_hidden_layers,
+        num_attention_heads=args.num_attention_heads,
+        num_key_value_heads=args.num_key_value_heads or args.num_attention_heads,
+        max_position_embeddings=seq_len,
+        attention_dropout=args.attention_dropout,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    return AutoModelForCausalLM.from_config(config)
+
+
+def build_optimizer(model, args: TrainingArguments):
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2))
+    scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, args.warmup_steps, args.max_steps, min_lr_rate=args.min_lr_ratio
+    )
+    return optimizer, scheduler
+
+
+def main(argv: list[str] | None = None) -> None:
+    # Configuration: everything is checked before a process group, file or run exists
+    model_args, data_args, args = parse_config((ModelArguments, DataArguments, TrainingArguments), argv)
+    config = resolved(model_args, data_args, args)
+    try:
+        dataset = PackedDataset(data_args.data_dir, verify_checksums=data_args.verify_checksums)
+    except ValueError as err:
+        raise SystemExit(f"data error: {err}") from None
+    tokenizer = AutoTokenizer.from_pretrained(dataset.tokenizer_dir)
+
+    accelerator = build_accelerator(args, log_with=None if args.report_to == "none" else args.report_to)
+    set_seed(args.seed)
+
+    # Model, optimizer, schedule
+    model = build_model(model_args, tokenizer, dataset.seq_len)
+    if model.config.vocab_size < dataset.index.vocab_size:
+        raise ConfigError(f"the model's vocab_size={model.config.vocab_size} is smaller than the data's {dataset.index.vocab_size}")
+    optimizer, scheduler = build_optimizer(model, args)
+
+    # Data: this rank's slice of every global batch, from the global cursor
+    cursor = DataCursor()
+    loader = ResumableLoader(
+        dataset, args.per_device_train_batch_size, args.seed, accelerator.process_index, accelerator.num_processes,
+        cursor, num_workers=data_args.num_workers, pin_memory=accelerator.device.type == "cuda",
+    )
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+
+    # Checkpoints and tracking: resume the newest checkpoint and the same MLflow run
+    state = TrainState()
+    accelerator.register_for_checkpointing(state, cursor)
+    checkpoints = CheckpointManager(accelerator, args.output_dir, args.save_total_limit, config)
+    resume = checkpoints.resolve(args.resume_from_checkpoint)
+    manifest = checkpoints.load(resume) if resume else {}
+    run_id = None
+    if args.report_to == "mlflow":
+        run_id = start_run(accelerator, args.experiment_name or "pretrain_clm", run_name_for(config, args), config,
+                           run_id=manifest.get("mlflow_run_id"), tags={"recipe": "pretrain_clm", "resumed_from_step": str(state.step)})
+    accelerator.print(f"world size {accelerator.num_processes} ({accelerator.distributed_type}), "
+                      f"{'resumed at step ' + str(state.step) + ' from ' + str(resume) if resume else 'starting fresh'}, {cursor}")
+
+    trace = SampleTrace(args.output_dir, accelerator.process_index, state.step) if data_args.trace_samples else None
+
+    def save() -> None:
+        if trace:
+            trace.flush()
+        checkpoints.save(state.step, {"tokens_seen": state.tokens_seen, "cursor": cursor.state_dict(),
+                                      "mlflow_run_id": run_id, **environment_facts(accelerator)})
+
+    # Training loop
+    tokens_per_step = loader.global_batch_size * args.gradient_accumulation_steps * dataset.seq_len
+    batches = iter(loader)
+    meter = Throughput()
+    loss_sum, loss_count = torch.zeros((), device=accelerator.device), 0
+    bar = tqdm(total=args.max_steps, initial=state.step, desc="train", disable=not accelerator.is_local_main_process)
+    model.train()
+    while state.step < args.max_steps:
+        for _ in range(args.gradient_accumulation_steps):
+            batch = next(batches).to(accelerator.device, non_blocking=True)
+            if trace:
+                trace.write(state.step + 1, loader.last_sample_ids)
+            with accelerator.accumulate(model):
+                loss = model(input_ids=batch, labels=batch).loss
+                accelerator.backward(loss)
+            loss_sum += loss.detach()
+            loss_count += 1
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm) if args.max_grad_norm else None
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        state.step += 1
+        state.tokens_seen += tokens_per_step
+        meter.add(tokens_per_step)
+        bar.update()
+
+        if state.step % args.logging_steps == 0 or state.step == args.max_steps:
+            mean_loss = accelerator.reduce(loss_sum, "mean").item() / loss_count
+            loss_sum.zero_()
+            loss_count = 0
+            metrics = {"train/loss": mean_loss, "train/learning_rate": scheduler.get_last_lr()[0],
+                       "train/tokens_seen": state.tokens_seen, "train/epoch": cursor.epoch, **{f"perf/{k}": v for k, v in meter.rate().items()}}
+            if grad_norm is not None:
+                metrics["train/grad_norm"] = float(grad_norm)
+            if not math.isfinite(mean_loss):
+                accelerator.print(f"warning: non-finite loss {mean_loss} at step {state.step}")
+            accelerator.log(metrics, step=state.step)
+            bar.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{metrics['perf/tokens_per_second']:.0f}")
+        if args.save_steps and state.step % args.save_steps == 0:
+            save()
+    bar.close()
+    save()
+    if trace:
+        trace.close()
+    check_replicas_in_sync(accelerator, model)
+
+    # Export: safetensors weights + tokenizer that load with from_pretrained
+    final = f"{args.output_dir}/final"
+    accelerator.unwrap_model(model).save_pretrained(
+        final, state_dict=accelerator.get_state_dict(model), is_main_process=accelerator.is_main_process,
+        save_function=accelerator.save, safe_serialization=True,
+    )
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(final)
+    accelerator.print(f"done: step {state.step}, {state.tokens_seen} tokens; model exported to {final}")
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

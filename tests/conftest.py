@@ -1,0 +1,47 @@
+"""Shared fixtures: a tiny prepared dataset and a helper that launches recipes for real."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    """~300 KB of the standard library, a 512-token BPE, 64-token samples."""
+    from infra.data.prepare import PrepareArguments, prepare
+
+    out = tmp_path_factory.mktemp("data") / "stdlib"
+    prepare(PrepareArguments(output_dir=str(out), max_bytes=300_000, vocab_size=512, seq_len=64, samples_per_shard=256))
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(accelerate_config: str, recipe_args: list[str], tmp_path: Path, recipe: str = "pretrain_clm", timeout: int = 600):
+    """`accelerate launch --config_file accelerate_configs/X recipes/R.py ...`, as the README shows it.
+
+    The only environment added is where MLflow writes (a store in tmp_path).
+    """
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    cmd = [
+        str(BIN / "accelerate"), "launch", "--config_file", str(REPO / "accelerate_configs" / accelerate_config),
+        "--main_process_port", str(free_port()),
+        str(REPO / "recipes" / f"{recipe}.py"), *recipe_args,
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        print(proc.stdout[-5000:], proc.stderr[-8000:], sep="\n")
+    return proc

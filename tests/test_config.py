@@ -1,0 +1,76 @@
+"""Configuration: YAML + flags into typed dataclasses; bad input is one clear line and nothing on disk."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from infra.config import ConfigError, TrainingArguments, _parse, flatten, resolved
+from tests.conftest import REPO
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_yaml_sets_fields_and_flags_override_it(tmp_path):
+    cfg = write(tmp_path, "learning_rate: 1e-3\nmax_steps: 7\nsave_total_limit: null\nrun_name: a\n")
+    (args,) = _parse((TrainingArguments,), ["--config", cfg, "--max_steps", "9"])
+    assert args.learning_rate == 1e-3  # PyYAML reads 1e-3 as a string; it is converted like a flag
+    assert args.max_steps == 9  # the flag wins over the YAML
+    assert args.save_total_limit is None
+    assert args.run_name == "a"
+    assert args.seed == TrainingArguments.seed
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "argv", "expected"),
+    [
+        ("learning_rat: 0.1\n", [], "unknown key 'learning_rat' (did you mean 'learning_rate'?)"),
+        ("max_steps: many\n", [], "max_steps='many' is not valid: expected an integer"),
+        ("", ["--learning_rate", "fast"], "learning_rate='fast' is not valid: expected a number"),
+        ("max_steps: 0\n", [], "max_steps=0 is not valid: expected an integer >= 1"),
+        ("", ["--report_to", "wandb"], "invalid choice: 'wandb'"),
+        ("", ["--max_step", "1"], "unknown argument '--max_step 1' (did you mean '--max_steps'?)"),
+        ("- a\n- b\n", [], "expected a mapping of field: value"),
+    ],
+)
+def test_bad_values_name_the_field_and_what_is_accepted(tmp_path, yaml_text, argv, expected):
+    with pytest.raises(ConfigError) as err:
+        _parse((TrainingArguments,), ["--config", write(tmp_path, yaml_text), *argv])
+    assert expected in str(err.value)
+
+
+def test_resolved_config_flattens_to_dotted_params():
+    flat = flatten(resolved(TrainingArguments(max_steps=3)))
+    assert flat["TrainingArguments.max_steps"] == 3
+    assert all("." in key for key in flat)
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "extra", "expected"),
+    [
+        ("hidden_sise: 64\n", [], "unknown key 'hidden_sise' (did you mean 'hidden_size'?)"),
+        ("per_device_train_batch_size: 2.5\n", [], "per_device_train_batch_size='2.5' is not valid: expected an integer"),
+        (None, [], "no such file"),
+    ],
+)
+def test_recipe_refuses_bad_config_in_one_line_and_creates_nothing(tmp_path, yaml_text, extra, expected):
+    cfg = write(tmp_path, yaml_text) if yaml_text is not None else str(tmp_path / "missing.yaml")
+    out = tmp_path / "out"
+    env_store = tmp_path / "mlflow.db"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "recipes" / "pretrain_clm.py"), "--config", cfg, "--output_dir", str(out), *extra],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env={"MLFLOW_TRACKING_URI": f"sqlite:///{env_store}", "PATH": ""},
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("config error: ") and expected in lines[0]
+    assert not out.exists() and not env_store.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["run.yaml"] if yaml_text is not None else [])
