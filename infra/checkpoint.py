@@ -15,6 +15,7 @@ is never loaded. Old checkpoints are pruned only after the new one is committed 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -157,10 +158,8 @@ def environment_facts(accelerator: Accelerator) -> dict[str, Any]:
     """What a checkpoint records about the job that wrote it."""
     versions = {}
     for package in ("torch", "accelerate", "transformers", "deepspeed", "datasets"):
-        try:
+        with contextlib.suppress(metadata.PackageNotFoundError):
             versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            pass
     return {
         "world_size": accelerator.num_processes,
         "distributed_type": accelerator.distributed_type.value,

@@ -38,7 +38,9 @@ from infra.tracking import run_name_for, start_run
 
 @dataclass
 class ModelArguments:
-    model_name_or_path: str | None = field(default=None, metadata={"help": "Start from these weights (path or hub id); else a new model from the fields below."})
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Load these weights (path or hub id); else build a new model from the fields below."}
+    )
     hidden_size: int = field(default=128, metadata={"help": "Width of the residual stream."})
     intermediate_size: int = field(default=344, metadata={"help": "Width of the MLP."})
     num_hidden_layers: int = field(default=2, metadata={"help": "Decoder layers."})
@@ -171,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
             loss_sum.zero_()
             loss_count = 0
             metrics = {"train/loss": mean_loss, "train/learning_rate": scheduler.get_last_lr()[0],
-                       "train/tokens_seen": state.tokens_seen, "train/epoch": cursor.epoch, **{f"perf/{k}": v for k, v in meter.rate().items()}}
+                       "train/tokens_seen": state.tokens_seen, "train/epoch": cursor.epoch}
+            metrics.update({f"perf/{k}": v for k, v in meter.rate().items()})
             if grad_norm is not None:
                 metrics["train/grad_norm"] = float(grad_norm)
             if not math.isfinite(mean_loss):

@@ -1,0 +1,112 @@
+"""Tokens/s of recipes/pretrain_clm.py with all infra on, against a bare Accelerate loop.
+
+    make bench                      # or: python benchmarks/recipe_overhead.py --steps 120 --repeats 3
+
+Both train the same model (the default tiny Llama) on the same prepared data with the same batch,
+bf16 autocast, one process each, alternating, in fresh processes. Each measures tokens/s over
+windows of `logging_steps` optimizer steps; the first window (start-up) is left out and the median
+of the rest is kept, so a checkpoint save shows up as one slow window rather than as noise in all.
+Prints the medians and their ratio (goal: recipe / bare >= 0.99).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "recipes" / "configs" / "pretrain_tiny.yaml"
+WINDOW = 10
+
+
+def bare_loop(data_dir: str, steps: int, batch_size: int) -> list[float]:
+    """The reference: the shortest correct Accelerate loop over the same model and data."""
+    import torch
+    import yaml
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(REPO / "recipes"))
+    from pretrain_clm import ModelArguments, build_model
+
+    from infra.data import PackedDataset
+
+    cfg = yaml.safe_load(CONFIG.read_text())
+    accelerator = Accelerator(mixed_precision="bf16")
+    set_seed(cfg["seed"])
+    dataset = PackedDataset(data_dir)
+    model_args = ModelArguments(**{k: cfg[k] for k in ModelArguments.__dataclass_fields__ if k in cfg})
+    model = build_model(model_args, AutoTokenizer.from_pretrained(dataset.tokenizer_dir), dataset.seq_len)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=float(cfg["learning_rate"]))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    rates, batches = [], iter(loader)
+    start = time.perf_counter()
+    for step in range(1, steps + 1):
+        batch = next(batches)
+        loss = model(input_ids=batch, labels=batch).loss
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % WINDOW == 0:
+            loss.item()
+            now = time.perf_counter()
+            rates.append(WINDOW * batch.numel() / (now - start))
+            start = now
+    return rates
+
+
+def recipe(data_dir: str, steps: int, batch_size: int, work: Path) -> list[float]:
+    """The recipe as users run it (checkpoints, MLflow, progress bar), its logged tokens/s windows."""
+    import mlflow
+
+    uri = f"sqlite:///{work / 'mlflow.db'}"
+    subprocess.run(
+        [sys.executable, str(REPO / "recipes" / "pretrain_clm.py"), "--config", str(CONFIG), "--data_dir", data_dir,
+         "--output_dir", str(work / "out"), "--max_steps", str(steps), "--logging_steps", str(WINDOW),
+         "--per_device_train_batch_size", str(batch_size), "--resume_from_checkpoint", "none"],
+        check=True, env={**os.environ, "MLFLOW_TRACKING_URI": uri}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    client = mlflow.MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("pretrain_clm").experiment_id])
+    return [m.value for m in sorted(client.get_metric_history(run.info.run_id, "perf/tokens_per_second"), key=lambda m: m.step)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data_dir", default=str(REPO / "data" / "stdlib"))
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)  # internal: one bare run
+    args = parser.parse_args()
+    if args.bare:
+        print(" ".join(map(str, bare_loop(args.data_dir, args.steps, args.batch_size))))
+        return
+
+    bare, full = [], []
+    for i in range(args.repeats):
+        out = subprocess.run(
+            [sys.executable, __file__, "--bare", "--data_dir", args.data_dir, "--steps", str(args.steps),
+             "--batch_size", str(args.batch_size)], check=True, capture_output=True, text=True,
+        ).stdout.split()
+        bare.append(statistics.median(float(x) for x in out[1:]))
+        with tempfile.TemporaryDirectory() as work:
+            full.append(statistics.median(recipe(args.data_dir, args.steps, args.batch_size, Path(work))[1:]))
+        print(f"repeat {i + 1}/{args.repeats}: bare {bare[-1]:,.0f} tokens/s, recipe {full[-1]:,.0f} tokens/s", flush=True)
+    b, f = statistics.median(bare), statistics.median(full)
+    print(f"\nbare Accelerate loop : {b:,.0f} tokens/s (median of {args.repeats} runs)")
+    print(f"pretrain_clm.py      : {f:,.0f} tokens/s")
+    print(f"ratio recipe / bare  : {f / b:.3f}  (goal >= 0.99)")
+
+
+if __name__ == "__main__":
+    main()
