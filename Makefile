@@ -39,13 +39,13 @@ test: setup  ## run the test suite (multi-process tests included, slow ones not)
 test-all: setup  ## run every test, slow ones too
 	$(BIN)/python -m pytest
 
-ui: setup  ## serve the MLflow UI for this repository's runs on http://127.0.0.1:$(PORT)
+ui: setup  ## serve the MLflow UI for this repository's runs on http://127.0.0.1:5000 (PORT= to change)
 	$(BIN)/mlflow ui --backend-store-uri $(MLFLOW_DB) --default-artifact-root $(CURDIR)/mlruns --host 127.0.0.1 --port $(PORT)
 
 bench: data  ## tokens/s of the recipe with all infra against a bare Accelerate loop, as a ratio
 	$(BIN)/python benchmarks/recipe_overhead.py
 
-lint: setup  ## ruff: lint and formatting
+lint: setup  ## ruff check over the whole tree
 	$(BIN)/ruff check .
 
 format: setup  ## ruff: fix what can be fixed

@@ -33,9 +33,10 @@ def launched_world_size() -> int:
 def build_accelerator(args: TrainingArguments, log_with: str | None = None) -> Accelerator:
     """The recipe's Accelerator: mixed precision, accumulation, timeouts and CPU fixes applied."""
     on_cpu = not torch.cuda.is_available()
-    if on_cpu and launched_world_size() > 1:
+    if on_cpu and launched_world_size() > 1 and requested_engine() is None:
         # accelerate's multi-GPU launcher does not pass ACCELERATE_USE_CPU to its workers; without
         # it each CPU process believes it is alone and every rank would train and write as rank 0.
+        # (Not for DeepSpeed or FSDP: ACCELERATE_USE_CPU would silently turn them into plain DDP.)
         os.environ["ACCELERATE_USE_CPU"] = "1"
     # DeepSpeed JIT-builds its CPU ops on first use (~1 min); keep them between runs.
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
@@ -54,8 +55,22 @@ def build_accelerator(args: TrainingArguments, log_with: str | None = None) -> A
     return accelerator
 
 
+def requested_engine() -> DistributedType | None:
+    """The sharding engine the launcher's config asked for, if any."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        return DistributedType.DEEPSPEED
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        return DistributedType.FSDP
+    return None
+
+
 def check_world(accelerator: Accelerator) -> None:
-    """Refuse a launch whose processes do not see each other (each would act as rank 0)."""
+    """Refuse a launch whose processes do not form the job the launcher asked for."""
+    engine = requested_engine()
+    if engine is not None and accelerator.distributed_type != engine:
+        raise LaunchError(
+            f"the accelerate config asks for {engine.value} but this process runs {accelerator.distributed_type.value}"
+        )
     launched = launched_world_size()
     if accelerator.num_processes != launched:
         raise LaunchError(

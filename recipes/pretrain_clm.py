@@ -87,11 +87,13 @@ def build_optimizer(model, args: TrainingArguments):
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2))
-    scheduler = get_cosine_with_min_lr_schedule_with_warmup(
-        optimizer, args.warmup_steps, args.max_steps, min_lr_rate=args.min_lr_ratio
-    )
-    return optimizer, scheduler
+    return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2))
+
+
+def build_scheduler(optimizer, args: TrainingArguments):
+    """Linear warmup, then cosine decay to min_lr_ratio. Built on the prepared optimizer: ZeRO-3
+    regroups parameters, and a schedule made before `prepare` would no longer match."""
+    return get_cosine_with_min_lr_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps, min_lr_rate=args.min_lr_ratio)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -107,11 +109,11 @@ def main(argv: list[str] | None = None) -> None:
     accelerator = build_accelerator(args, log_with=None if args.report_to == "none" else args.report_to)
     set_seed(args.seed)
 
-    # Model, optimizer, schedule
+    # Model and optimizer
     model = build_model(model_args, tokenizer, dataset.seq_len)
     if model.config.vocab_size < dataset.index.vocab_size:
         raise ConfigError(f"the model's vocab_size={model.config.vocab_size} is smaller than the data's {dataset.index.vocab_size}")
-    optimizer, scheduler = build_optimizer(model, args)
+    optimizer = build_optimizer(model, args)
 
     # Data: this rank's slice of every global batch, from the global cursor
     cursor = DataCursor()
@@ -119,7 +121,8 @@ def main(argv: list[str] | None = None) -> None:
         dataset, args.per_device_train_batch_size, args.seed, accelerator.process_index, accelerator.num_processes,
         cursor, num_workers=data_args.num_workers, pin_memory=accelerator.device.type == "cuda",
     )
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    scheduler = accelerator.prepare_scheduler(build_scheduler(optimizer, args))
 
     # Checkpoints and tracking: resume the newest checkpoint and the same MLflow run
     state = TrainState()
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.report_to == "mlflow":
         run_id = start_run(accelerator, args.experiment_name or "pretrain_clm", run_name_for(config, args), config,
                            run_id=manifest.get("mlflow_run_id"), tags={"recipe": "pretrain_clm", "resumed_from_step": str(state.step)})
-    accelerator.print(f"world size {accelerator.num_processes} ({accelerator.distributed_type}), "
+    accelerator.print(f"world size {accelerator.num_processes} ({accelerator.distributed_type.value}), "
                       f"{'resumed at step ' + str(state.step) + ' from ' + str(resume) if resume else 'starting fresh'}, {cursor}")
 
     trace = SampleTrace(args.output_dir, accelerator.process_index, state.step) if data_args.trace_samples else None

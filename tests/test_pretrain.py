@@ -129,6 +129,7 @@ def test_deepspeed_trains_saves_and_resumes_exactly(accelerate_config, tiny_data
     assert launch(accelerate_config, recipe_args(tiny_data, b / "out", STEPS, "--report_to", "none"), b).returncode == 0
     resumed = launch(accelerate_config, recipe_args(tiny_data, b / "out", 2 * STEPS, "--report_to", "none"), b)
     assert resumed.returncode == 0 and f"resumed at step {STEPS}" in resumed.stdout
+    assert "world size 2 (DEEPSPEED)" in resumed.stdout
     assert_same_weights(a / "out", b / "out")
     from transformers import AutoModelForCausalLM
 
