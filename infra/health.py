@@ -28,7 +28,7 @@ def check_replicas_in_sync(accelerator: Accelerator, model: torch.nn.Module) -> 
     Only meaningful where each rank holds the whole model (DDP, single process); sharded
     strategies (ZeRO-3, FSDP) hold different shards by design and are not checked.
     """
-    if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+    if accelerator.num_processes == 1 or accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
         return []
     fingerprints = gather_object([parameter_fingerprint(accelerator.unwrap_model(model))])
     if len(set(fingerprints)) != 1:
