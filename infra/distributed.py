@@ -42,7 +42,8 @@ def build_accelerator(args: TrainingArguments, log_with: str | None = None) -> A
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
 
     timeout = timedelta(seconds=args.ddp_timeout)
-    init = InitProcessGroupKwargs(backend="gloo", timeout=timeout) if on_cpu else InitProcessGroupKwargs(timeout=timeout)
+    gloo = on_cpu and launched_world_size() > 1  # DeepSpeed on CPU needs it; a single process needs no group
+    init = InitProcessGroupKwargs(backend="gloo", timeout=timeout) if gloo else InitProcessGroupKwargs(timeout=timeout)
     accelerator = Accelerator(
         mixed_precision=args.mixed_precision,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
