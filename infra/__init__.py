@@ -1,0 +1,1 @@
+"""Shared machinery for the training recipes: data, checkpoints, tracking, health."""

@@ -1,0 +1,140 @@
+"""Shards of packed, fixed-length samples, and the index that describes them.
+
+On disk (`DATA_DIR/`):
+
+    index.json            format version, sequence length, dtype, tokenizer, one entry per shard
+    shard_00000.npy       uint16/uint32 array of shape (num_samples, seq_len), memory-mapped when read
+    tokenizer/            the tokenizer the samples were made with (save_pretrained)
+
+Every file is written under a temporary name and renamed into place; `index.json` is written
+last, so a shard the index lists is always complete. The reader opens shards lazily with
+`numpy.load(mmap_mode="r")`: memory does not grow with the dataset.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from infra.files import atomic_write_text, sha256_file
+
+FORMAT_VERSION = 1
+INDEX_FILE = "index.json"
+TOKENIZER_DIR = "tokenizer"
+
+
+class DataError(ValueError):
+    """The prepared data is missing, damaged, or does not fit the run."""
+
+
+@dataclass
+class ShardInfo:
+    file: str
+    num_samples: int
+    sha256: str
+
+
+@dataclass
+class DataIndex:
+    seq_len: int
+    dtype: str
+    vocab_size: int
+    tokenizer: str  # what the tokenizer was made from: "trained:<corpus>" or a path / hub id
+    source: str
+    shards: list[ShardInfo] = field(default_factory=list)
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def num_samples(self) -> int:
+        return sum(s.num_samples for s in self.shards)
+
+    def save(self, data_dir: Path) -> None:
+        atomic_write_text(data_dir / INDEX_FILE, json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, data_dir: Path) -> DataIndex:
+        path = Path(data_dir) / INDEX_FILE
+        if not path.is_file():
+            raise DataError(f"{path} does not exist: prepare the data first (make data, or python -m infra.data.prepare)")
+        raw = json.loads(path.read_text())
+        if raw.get("format_version") != FORMAT_VERSION:
+            raise DataError(f"{path}: format_version {raw.get('format_version')!r} is not the supported {FORMAT_VERSION}")
+        raw["shards"] = [ShardInfo(**s) for s in raw["shards"]]
+        return cls(**raw)
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32)
+
+
+def write_shard(data_dir: Path, shard_id: int, samples: np.ndarray) -> ShardInfo:
+    """Write one shard atomically and return its index entry."""
+    name = f"shard_{shard_id:05d}.npy"
+    tmp = data_dir / (name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.save(f, samples, allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, data_dir / name)
+    return ShardInfo(file=name, num_samples=len(samples), sha256=sha256_file(data_dir / name))
+
+
+def verify(data_dir: Path, index: DataIndex, checksums: bool) -> None:
+    """Raise DataError naming the first shard that is missing, truncated or (with checksums) altered."""
+    if index.num_samples == 0:
+        raise DataError(f"{data_dir}: the index lists no samples (was the source empty or shorter than seq_len?)")
+    itemsize = np.dtype(index.dtype).itemsize
+    for shard in index.shards:
+        path = Path(data_dir) / shard.file
+        if not path.is_file():
+            raise DataError(f"{path} is listed in {INDEX_FILE} but missing")
+        payload = shard.num_samples * index.seq_len * itemsize
+        if path.stat().st_size < payload:
+            raise DataError(f"{path} is truncated: {path.stat().st_size} bytes, expected more than {payload}")
+        if checksums and sha256_file(path) != shard.sha256:
+            raise DataError(f"{path} does not match the sha256 in {INDEX_FILE}: the file was altered or damaged")
+
+
+class PackedDataset(torch.utils.data.Dataset):
+    """Map-style view of all shards: sample `i` of the global sample space -> LongTensor[seq_len].
+
+    Shards are memory-mapped on first touch in each process (DataLoader workers included).
+    """
+
+    def __init__(self, data_dir: str | os.PathLike, verify_checksums: bool = False):
+        self.data_dir = Path(data_dir)
+        self.index = DataIndex.load(self.data_dir)
+        verify(self.data_dir, self.index, checksums=verify_checksums)
+        self._starts = np.cumsum([0] + [s.num_samples for s in self.index.shards]).tolist()
+        self._maps: dict[int, np.ndarray] = {}
+
+    @property
+    def seq_len(self) -> int:
+        return self.index.seq_len
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.data_dir / TOKENIZER_DIR
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} outside [0, {len(self)})")
+        shard = bisect.bisect_right(self._starts, i) - 1
+        rows = self._maps.get(shard)
+        if rows is None:
+            rows = self._maps[shard] = np.load(self.data_dir / self.index.shards[shard].file, mmap_mode="r")
+        return torch.from_numpy(rows[i - self._starts[shard]].astype(np.int64))
+
+    def __getstate__(self):  # workers reopen their own maps
+        state = self.__dict__.copy()
+        state["_maps"] = {}
+        return state
