@@ -45,11 +45,13 @@ ui: setup  ## serve the MLflow UI for this repository's runs on http://127.0.0.1
 bench: data  ## tokens/s of the recipe with all infra against a bare Accelerate loop, as a ratio
 	$(BIN)/python benchmarks/recipe_overhead.py
 
-lint: setup  ## ruff check over the whole tree
+lint: setup  ## ruff: lint and format check over the whole tree
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
-format: setup  ## ruff: fix what can be fixed
+format: setup  ## ruff: fix what can be fixed and format the tree
 	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 clean:  ## remove runs, prepared data and the local MLflow store (not .venv)
 	rm -rf runs data mlflow.db mlruns

@@ -70,10 +70,28 @@ def recipe(data_dir: str, steps: int, batch_size: int, work: Path) -> list[float
 
     uri = f"sqlite:///{work / 'mlflow.db'}"
     subprocess.run(
-        [sys.executable, str(REPO / "recipes" / "pretrain_clm.py"), "--config", str(CONFIG), "--data_dir", data_dir,
-         "--output_dir", str(work / "out"), "--max_steps", str(steps), "--logging_steps", str(WINDOW),
-         "--per_device_train_batch_size", str(batch_size), "--resume_from_checkpoint", "none"],
-        check=True, env={**os.environ, "MLFLOW_TRACKING_URI": uri}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            str(REPO / "recipes" / "pretrain_clm.py"),
+            "--config",
+            str(CONFIG),
+            "--data_dir",
+            data_dir,
+            "--output_dir",
+            str(work / "out"),
+            "--max_steps",
+            str(steps),
+            "--logging_steps",
+            str(WINDOW),
+            "--per_device_train_batch_size",
+            str(batch_size),
+            "--resume_from_checkpoint",
+            "none",
+        ],
+        check=True,
+        env={**os.environ, "MLFLOW_TRACKING_URI": uri},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     client = mlflow.MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("pretrain_clm").experiment_id])
@@ -95,8 +113,20 @@ def main() -> None:
     bare, full = [], []
     for i in range(args.repeats):
         out = subprocess.run(
-            [sys.executable, __file__, "--bare", "--data_dir", args.data_dir, "--steps", str(args.steps),
-             "--batch_size", str(args.batch_size)], check=True, capture_output=True, text=True,
+            [
+                sys.executable,
+                __file__,
+                "--bare",
+                "--data_dir",
+                args.data_dir,
+                "--steps",
+                str(args.steps),
+                "--batch_size",
+                str(args.batch_size),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
         ).stdout.split()
         bare.append(statistics.median(float(x) for x in out[1:]))
         with tempfile.TemporaryDirectory() as work:

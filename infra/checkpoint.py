@@ -97,8 +97,8 @@ class CheckpointManager:
 
     def checkpoints(self) -> list[Path]:
         """Committed checkpoint folders, oldest first."""
-        found = [p for p in self.root.glob(f"{PREFIX}*") if p.is_dir() and p.name[len(PREFIX):].isdigit()]
-        return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+        found = [p for p in self.root.glob(f"{PREFIX}*") if p.is_dir() and p.name[len(PREFIX) :].isdigit()]
+        return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
 
     def resolve(self, resume_from_checkpoint: str) -> Path | None:
         """The checkpoint to resume from: 'none', 'auto' (newest that verifies) or an explicit path."""
@@ -171,9 +171,7 @@ def environment_facts(accelerator: Accelerator) -> dict[str, Any]:
 
 def git_commit() -> str | None:
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
-        )
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() if out.returncode == 0 else None

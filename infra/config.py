@@ -69,12 +69,16 @@ class TrainingArguments:
         require(self.max_grad_norm >= 0, "max_grad_norm", self.max_grad_norm, "a number >= 0")
         require(
             self.save_total_limit is None or self.save_total_limit >= 1,
-            "save_total_limit", self.save_total_limit, "an integer >= 1 or null",
+            "save_total_limit",
+            self.save_total_limit,
+            "an integer >= 1 or null",
         )
         if self.resume_from_checkpoint not in ("auto", "none"):
             require(
                 Path(self.resume_from_checkpoint).is_dir(),
-                "resume_from_checkpoint", self.resume_from_checkpoint, "'auto', 'none' or an existing checkpoint directory",
+                "resume_from_checkpoint",
+                self.resume_from_checkpoint,
+                "'auto', 'none' or an existing checkpoint directory",
             )
 
 
@@ -135,9 +139,7 @@ def _parse(dataclass_types: tuple[type, ...], argv: list[str]) -> tuple:
             raise ConfigError(f"{known.config}: {err}") from None
 
     cli = _without_flag(argv, "--config")
-    *outputs, unknown = parser.parse_args_into_dataclasses(
-        args=yaml_argv + cli, look_for_args_file=False, return_remaining_strings=True
-    )
+    *outputs, unknown = parser.parse_args_into_dataclasses(args=yaml_argv + cli, look_for_args_file=False, return_remaining_strings=True)
     if unknown:
         flag = next((a for a in unknown if a.startswith("--")), unknown[0])
         close = difflib.get_close_matches(flag.lstrip("-").split("=")[0], fields, n=1)

@@ -69,9 +69,7 @@ def check_world(accelerator: Accelerator) -> None:
     """Refuse a launch whose processes do not form the job the launcher asked for."""
     engine = requested_engine()
     if engine is not None and accelerator.distributed_type != engine:
-        raise LaunchError(
-            f"the accelerate config asks for {engine.value} but this process runs {accelerator.distributed_type.value}"
-        )
+        raise LaunchError(f"the accelerate config asks for {engine.value} but this process runs {accelerator.distributed_type.value}")
     launched = launched_world_size()
     if accelerator.num_processes != launched:
         raise LaunchError(
@@ -92,7 +90,5 @@ def configure_deepspeed(accelerator: Accelerator, args: TrainingArguments) -> No
     config = accelerator.state.deepspeed_plugin.deepspeed_config
     config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
     config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
-    config["train_batch_size"] = (
-        args.per_device_train_batch_size * args.gradient_accumulation_steps * accelerator.num_processes
-    )
+    config["train_batch_size"] = args.per_device_train_batch_size * args.gradient_accumulation_steps * accelerator.num_processes
     config["gradient_clipping"] = args.max_grad_norm

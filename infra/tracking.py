@@ -28,7 +28,7 @@ def tracking_uri() -> str:
 def artifact_dir(uri: str) -> str | None:
     """Where a new experiment keeps artifacts: beside a sqlite database, else the server's default."""
     if uri.startswith("sqlite:///"):
-        return str(Path(uri[len("sqlite:///"):]).parent / "mlruns")
+        return str(Path(uri[len("sqlite:///") :]).parent / "mlruns")
     return None
 
 

@@ -49,8 +49,12 @@ class ModelArguments:
     attention_dropout: float = field(default=0.0, metadata={"help": "Dropout on attention probabilities."})
 
     def __post_init__(self):
-        require(self.hidden_size % self.num_attention_heads == 0, "hidden_size", self.hidden_size,
-                f"a multiple of num_attention_heads={self.num_attention_heads}")
+        require(
+            self.hidden_size % self.num_attention_heads == 0,
+            "hidden_size",
+            self.hidden_size,
+            f"a multiple of num_attention_heads={self.num_attention_heads}",
+        )
         require(0 <= self.attention_dropout < 1, "attention_dropout", self.attention_dropout, "a number in [0, 1)")
 
 
@@ -118,8 +122,14 @@ def main(argv: list[str] | None = None) -> None:
     # Data: this rank's slice of every global batch, from the global cursor
     cursor = DataCursor()
     loader = ResumableLoader(
-        dataset, args.per_device_train_batch_size, args.seed, accelerator.process_index, accelerator.num_processes,
-        cursor, num_workers=data_args.num_workers, pin_memory=accelerator.device.type == "cuda",
+        dataset,
+        args.per_device_train_batch_size,
+        args.seed,
+        accelerator.process_index,
+        accelerator.num_processes,
+        cursor,
+        num_workers=data_args.num_workers,
+        pin_memory=accelerator.device.type == "cuda",
     )
     model, optimizer = accelerator.prepare(model, optimizer)
     scheduler = accelerator.prepare_scheduler(build_scheduler(optimizer, args))
@@ -132,18 +142,28 @@ def main(argv: list[str] | None = None) -> None:
     manifest = checkpoints.load(resume) if resume else {}
     run_id = None
     if args.report_to == "mlflow":
-        run_id = start_run(accelerator, args.experiment_name or "pretrain_clm", run_name_for(config, args), config,
-                           run_id=manifest.get("mlflow_run_id"), tags={"recipe": "pretrain_clm", "resumed_from_step": str(state.step)})
-    accelerator.print(f"world size {accelerator.num_processes} ({accelerator.distributed_type.value}), "
-                      f"{'resumed at step ' + str(state.step) + ' from ' + str(resume) if resume else 'starting fresh'}, {cursor}")
+        run_id = start_run(
+            accelerator,
+            args.experiment_name or "pretrain_clm",
+            run_name_for(config, args),
+            config,
+            run_id=manifest.get("mlflow_run_id"),
+            tags={"recipe": "pretrain_clm", "resumed_from_step": str(state.step)},
+        )
+    accelerator.print(
+        f"world size {accelerator.num_processes} ({accelerator.distributed_type.value}), "
+        f"{'resumed at step ' + str(state.step) + ' from ' + str(resume) if resume else 'starting fresh'}, {cursor}"
+    )
 
     trace = SampleTrace(args.output_dir, accelerator.process_index, state.step) if data_args.trace_samples else None
 
     def save() -> None:
         if trace:
             trace.flush()
-        checkpoints.save(state.step, {"tokens_seen": state.tokens_seen, "cursor": cursor.state_dict(),
-                                      "mlflow_run_id": run_id, **environment_facts(accelerator)})
+        checkpoints.save(
+            state.step,
+            {"tokens_seen": state.tokens_seen, "cursor": cursor.state_dict(), "mlflow_run_id": run_id, **environment_facts(accelerator)},
+        )
 
     # Training loop
     tokens_per_step = loader.global_batch_size * args.gradient_accumulation_steps * dataset.seq_len
@@ -175,8 +195,12 @@ def main(argv: list[str] | None = None) -> None:
             mean_loss = accelerator.reduce(loss_sum, "mean").item() / loss_count
             loss_sum.zero_()
             loss_count = 0
-            metrics = {"train/loss": mean_loss, "train/learning_rate": scheduler.get_last_lr()[0],
-                       "train/tokens_seen": state.tokens_seen, "train/epoch": cursor.epoch}
+            metrics = {
+                "train/loss": mean_loss,
+                "train/learning_rate": scheduler.get_last_lr()[0],
+                "train/tokens_seen": state.tokens_seen,
+                "train/epoch": cursor.epoch,
+            }
             metrics.update({f"perf/{k}": v for k, v in meter.rate().items()})
             if grad_norm is not None:
                 metrics["train/grad_norm"] = float(grad_norm)
@@ -195,8 +219,11 @@ def main(argv: list[str] | None = None) -> None:
     # Export: safetensors weights + tokenizer that load with from_pretrained
     final = f"{args.output_dir}/final"
     accelerator.unwrap_model(model).save_pretrained(
-        final, state_dict=accelerator.get_state_dict(model), is_main_process=accelerator.is_main_process,
-        save_function=accelerator.save, safe_serialization=True,
+        final,
+        state_dict=accelerator.get_state_dict(model),
+        is_main_process=accelerator.is_main_process,
+        save_function=accelerator.save,
+        safe_serialization=True,
     )
     if accelerator.is_main_process:
         tokenizer.save_pretrained(final)

@@ -37,9 +37,16 @@ def launch(accelerate_config: str, recipe_args: list[str], tmp_path: Path, recip
     """
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
     cmd = [
-        str(BIN / "accelerate"), "launch", "--config_file", str(REPO / "accelerate_configs" / accelerate_config),
-        "--num_processes", "2", "--main_process_port", str(free_port()),
-        str(REPO / "recipes" / f"{recipe}.py"), *recipe_args,
+        str(BIN / "accelerate"),
+        "launch",
+        "--config_file",
+        str(REPO / "accelerate_configs" / accelerate_config),
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(free_port()),
+        str(REPO / "recipes" / f"{recipe}.py"),
+        *recipe_args,
     ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:

@@ -65,7 +65,10 @@ def test_recipe_refuses_bad_config_in_one_line_and_creates_nothing(tmp_path, yam
     env_store = tmp_path / "mlflow.db"
     proc = subprocess.run(
         [sys.executable, str(REPO / "recipes" / "pretrain_clm.py"), "--config", cfg, "--output_dir", str(out), *extra],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={"MLFLOW_TRACKING_URI": f"sqlite:///{env_store}", "PATH": ""},
     )
     assert proc.returncode == 2

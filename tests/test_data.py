@@ -34,8 +34,12 @@ def take(loader: ResumableLoader, n: int) -> list[list[int]]:
 
 
 @given(
-    n=st.integers(1, 300), world=st.integers(1, 4), batch=st.integers(1, 8), workers=st.sampled_from([0, 2]),
-    epoch=st.integers(0, 3), seed=st.integers(0, 2**31),
+    n=st.integers(1, 300),
+    world=st.integers(1, 4),
+    batch=st.integers(1, 8),
+    workers=st.sampled_from([0, 2]),
+    epoch=st.integers(0, 3),
+    seed=st.integers(0, 2**31),
 )
 @settings(max_examples=25, deadline=None)
 def test_every_sample_once_per_epoch_across_ranks(n, world, batch, workers, epoch, seed):
@@ -75,8 +79,16 @@ def test_prepare_packs_local_files_exactly_as_the_tokenizer_encodes(tmp_path, ti
     docs = [f"def f{i}(x):\n    return x * {i}\n" * (i + 1) for i in range(40)]
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"body": d}) + "\n" for d in docs))
     out = tmp_path / "prepared"
-    index = prepare(PrepareArguments(output_dir=str(out), source=str(tmp_path / "a.jsonl"), text_column="body",
-                                     tokenizer=str(tiny_data / "tokenizer"), seq_len=16, samples_per_shard=7))
+    index = prepare(
+        PrepareArguments(
+            output_dir=str(out),
+            source=str(tmp_path / "a.jsonl"),
+            text_column="body",
+            tokenizer=str(tiny_data / "tokenizer"),
+            seq_len=16,
+            samples_per_shard=7,
+        )
+    )
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_data / "tokenizer")
@@ -90,8 +102,15 @@ def test_prepare_packs_local_files_exactly_as_the_tokenizer_encodes(tmp_path, ti
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"body": docs}), tmp_path / "a.parquet")
-    prepare(PrepareArguments(output_dir=str(tmp_path / "pq"), source=str(tmp_path / "a.parquet"), text_column="body",
-                             tokenizer=str(tiny_data / "tokenizer"), seq_len=16))
+    prepare(
+        PrepareArguments(
+            output_dir=str(tmp_path / "pq"),
+            source=str(tmp_path / "a.parquet"),
+            text_column="body",
+            tokenizer=str(tiny_data / "tokenizer"),
+            seq_len=16,
+        )
+    )
     assert np.array_equal(np.stack([PackedDataset(tmp_path / "pq")[i].numpy() for i in range(len(dataset))]), expected)
 
 
@@ -122,6 +141,7 @@ def test_damaged_data_is_refused_before_training(tmp_path, tiny_data):
 def test_prepare_refuses_an_empty_source(tmp_path, tiny_data):
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(ValueError, match="gave no sample"):
-        prepare(PrepareArguments(output_dir=str(tmp_path / "out"), source=str(tmp_path / "empty.txt"),
-                                 tokenizer=str(tiny_data / "tokenizer")))
+        prepare(
+            PrepareArguments(output_dir=str(tmp_path / "out"), source=str(tmp_path / "empty.txt"), tokenizer=str(tiny_data / "tokenizer"))
+        )
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()

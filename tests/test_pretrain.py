@@ -19,14 +19,35 @@ STEPS = 8
 
 def recipe_args(data: Path, out: Path, max_steps: int, *extra: str) -> list[str]:
     return [
-        "--config", str(REPO / "recipes" / "configs" / "pretrain_tiny.yaml"),
-        "--data_dir", str(data), "--output_dir", str(out),
-        "--max_steps", str(max_steps),
+        "--config",
+        str(REPO / "recipes" / "configs" / "pretrain_tiny.yaml"),
+        "--data_dir",
+        str(data),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        str(max_steps),
         # warmup longer than the run: the schedule does not depend on max_steps, and is not constant
-        "--warmup_steps", str(2 * STEPS), "--learning_rate", "1e-2",
-        "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
-        "--hidden_size", "64", "--intermediate_size", "128", "--attention_dropout", "0.1",
-        "--logging_steps", "2", "--save_steps", "4", "--trace_samples", *extra,
+        "--warmup_steps",
+        str(2 * STEPS),
+        "--learning_rate",
+        "1e-2",
+        "--per_device_train_batch_size",
+        "4",
+        "--gradient_accumulation_steps",
+        "2",
+        "--hidden_size",
+        "64",
+        "--intermediate_size",
+        "128",
+        "--attention_dropout",
+        "0.1",
+        "--logging_steps",
+        "2",
+        "--save_steps",
+        "4",
+        "--trace_samples",
+        *extra,
     ]
 
 
@@ -48,13 +69,20 @@ def assert_same_weights(a: Path, b: Path) -> None:
 def test_refuses_processes_that_do_not_form_a_group(tmp_path):
     """PITFALLS: the multi-GPU launcher on CPU starts processes that each believe they are alone."""
     script = tmp_path / "alone.py"
-    script.write_text(
-        "from accelerate import Accelerator\nfrom infra.distributed import check_world\ncheck_world(Accelerator())\n"
-    )
+    script.write_text("from accelerate import Accelerator\nfrom infra.distributed import check_world\ncheck_world(Accelerator())\n")
     proc = subprocess.run(
-        [str(BIN / "accelerate"), "launch", "--config_file", str(REPO / "accelerate_configs" / "cpu.yaml"),
-         "--main_process_port", str(free_port()), str(script)],
-        capture_output=True, text=True, timeout=300,
+        [
+            str(BIN / "accelerate"),
+            "launch",
+            "--config_file",
+            str(REPO / "accelerate_configs" / "cpu.yaml"),
+            "--main_process_port",
+            str(free_port()),
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode != 0
     assert "the launcher started 2 processes but this one sees a group of 1" in proc.stderr

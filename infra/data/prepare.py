@@ -22,8 +22,8 @@ from tqdm import tqdm
 
 from infra.config import ConfigError, parse_config, require
 from infra.data.shards import TOKENIZER_DIR, DataIndex, token_dtype, write_shard
-from infra.files import fsync_dir
 from infra.data.sources import STDLIB, iter_texts
+from infra.files import fsync_dir
 
 EOS = "<|endoftext|>"
 
@@ -31,11 +31,17 @@ EOS = "<|endoftext|>"
 @dataclass
 class PrepareArguments:
     output_dir: str = field(default="data/stdlib", metadata={"help": "Folder the shards and index are written to."})
-    source: str = field(default=STDLIB, metadata={"help": "'stdlib', local text/json/jsonl/parquet/csv files (path, folder or glob), or a hub dataset id."})
+    source: str = field(
+        default=STDLIB, metadata={"help": "'stdlib', local text/json/jsonl/parquet/csv files (path, folder or glob), or a hub dataset id."}
+    )
     text_column: str = field(default="text", metadata={"help": "Column holding the text (json, parquet, csv and hub sources)."})
     split: str = field(default="train", metadata={"help": "Split of a hub dataset."})
-    max_bytes: int | None = field(default=8_000_000, metadata={"help": "Stop reading the source after about this many bytes of text (null: all)."})
-    tokenizer: str | None = field(default=None, metadata={"help": "Tokenizer path or hub id; if unset, train a byte-level BPE on the source."})
+    max_bytes: int | None = field(
+        default=8_000_000, metadata={"help": "Stop reading the source after about this many bytes of text (null: all)."}
+    )
+    tokenizer: str | None = field(
+        default=None, metadata={"help": "Tokenizer path or hub id; if unset, train a byte-level BPE on the source."}
+    )
     vocab_size: int = field(default=4096, metadata={"help": "Vocabulary size of a trained tokenizer."})
     seq_len: int = field(default=256, metadata={"help": "Tokens per sample."})
     samples_per_shard: int = field(default=2048, metadata={"help": "Samples per shard file."})
