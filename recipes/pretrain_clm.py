@@ -28,8 +28,8 @@ from transformers import (
 )
 
 from infra.checkpoint import CheckpointManager, TrainState, environment_facts
-from infra.config import ConfigError, TrainingArguments, parse_config, require, resolved
-from infra.data import DataCursor, PackedDataset, ResumableLoader, SampleTrace
+from infra.config import TrainingArguments, parse_config, require, resolved
+from infra.data import DataCursor, PackedDataset, ResumableLoader, SampleTrace, check_fits_model
 from infra.distributed import build_accelerator
 from infra.health import check_replicas_in_sync
 from infra.metrics import Throughput
@@ -62,8 +62,15 @@ class ModelArguments:
 class DataArguments:
     data_dir: str = field(default="data/stdlib", metadata={"help": "Prepared shards (python -m infra.data.prepare)."})
     num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes per rank."})
+    shuffle_window: int = field(
+        default=1 << 18, metadata={"help": "Samples shuffled together after the shards are shuffled (see infra.data.loader.EpochOrder)."}
+    )
     verify_checksums: bool = field(default=False, metadata={"help": "sha256 every shard before training."})
     trace_samples: bool = field(default=False, metadata={"help": "Log each step's global sample ids to OUTPUT_DIR/trace/rank{r}.jsonl."})
+
+    def __post_init__(self):
+        require(self.num_workers >= 0, "num_workers", self.num_workers, "an integer >= 0")
+        require(self.shuffle_window >= 1, "shuffle_window", self.shuffle_window, "an integer >= 1")
 
 
 def build_model(args: ModelArguments, tokenizer, seq_len: int):
@@ -115,8 +122,10 @@ def main(argv: list[str] | None = None) -> None:
 
     # Model and optimizer
     model = build_model(model_args, tokenizer, dataset.seq_len)
-    if model.config.vocab_size < dataset.index.vocab_size:
-        raise ConfigError(f"the model's vocab_size={model.config.vocab_size} is smaller than the data's {dataset.index.vocab_size}")
+    try:
+        check_fits_model(dataset.index, tokenizer.eos_token_id, model.config)
+    except ValueError as err:
+        raise SystemExit(f"data error: {err}") from None
     optimizer = build_optimizer(model, args)
 
     # Data: this rank's slice of every global batch, from the global cursor
@@ -129,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         accelerator.num_processes,
         cursor,
         num_workers=data_args.num_workers,
+        shuffle_window=data_args.shuffle_window,
         pin_memory=accelerator.device.type == "cuda",
     )
     model, optimizer = accelerator.prepare(model, optimizer)

@@ -24,13 +24,27 @@ def tiny_data(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def small_data(tiny_data, tmp_path_factory) -> Path:
+    """~300 samples in shards of 32: the launched runs below cross epoch ends and shuffle windows."""
+    from infra.data.prepare import PrepareArguments, prepare
+
+    out = tmp_path_factory.mktemp("data") / "small"
+    prepare(
+        PrepareArguments(output_dir=str(out), max_bytes=40_000, tokenizer=str(tiny_data / "tokenizer"), seq_len=64, samples_per_shard=32)
+    )
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def launch(accelerate_config: str, recipe_args: list[str], tmp_path: Path, recipe: str = "pretrain_clm", timeout: int = 600):
+def launch(
+    accelerate_config: str, recipe_args: list[str], tmp_path: Path, recipe: str = "pretrain_clm", timeout: int = 600, num_processes: int = 2
+):
     """`accelerate launch --config_file accelerate_configs/X recipes/R.py ...`, as the README shows it.
 
     The only environment added is where MLflow writes (a store in tmp_path).
@@ -42,7 +56,7 @@ def launch(accelerate_config: str, recipe_args: list[str], tmp_path: Path, recip
         "--config_file",
         str(REPO / "accelerate_configs" / accelerate_config),
         "--num_processes",
-        "2",
+        str(num_processes),
         "--main_process_port",
         str(free_port()),
         str(REPO / "recipes" / f"{recipe}.py"),

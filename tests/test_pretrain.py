@@ -10,11 +10,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from infra.data import PackedDataset
+from infra.data.loader import EpochOrder
 from tests.conftest import BIN, REPO, free_port, launch
 
 pytestmark = pytest.mark.multiprocess
 
-STEPS = 8
+STEPS = 12
+SHUFFLE_WINDOW = 48  # samples_per_shard is 32 in small_data: windows straddle shards
+MICRO_BATCH = 4
+ACCUMULATION = 2
+SEED = 42  # pretrain_tiny.yaml's
 
 
 def recipe_args(data: Path, out: Path, max_steps: int, *extra: str) -> list[str]:
@@ -33,9 +39,9 @@ def recipe_args(data: Path, out: Path, max_steps: int, *extra: str) -> list[str]
         "--learning_rate",
         "1e-2",
         "--per_device_train_batch_size",
-        "4",
+        str(MICRO_BATCH),
         "--gradient_accumulation_steps",
-        "2",
+        str(ACCUMULATION),
         "--hidden_size",
         "64",
         "--intermediate_size",
@@ -46,6 +52,8 @@ def recipe_args(data: Path, out: Path, max_steps: int, *extra: str) -> list[str]
         "2",
         "--save_steps",
         "4",
+        "--shuffle_window",
+        str(SHUFFLE_WINDOW),
         "--trace_samples",
         *extra,
     ]
@@ -89,15 +97,15 @@ def test_refuses_processes_that_do_not_form_a_group(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def straight(tiny_data, tmp_path_factory):
+def straight(small_data, tmp_path_factory):
     """One uninterrupted 2-process run of 2N steps."""
     tmp = tmp_path_factory.mktemp("straight")
-    proc = launch("cpu.yaml", recipe_args(tiny_data, tmp / "out", 2 * STEPS), tmp)
+    proc = launch("cpu.yaml", recipe_args(small_data, tmp / "out", 2 * STEPS), tmp)
     assert proc.returncode == 0
     return tmp, proc
 
 
-def test_two_processes_train_as_one_job(straight):
+def test_two_processes_train_as_one_job(straight, small_data):
     tmp, proc = straight
     out = tmp / "out"
     assert "world size 2" in proc.stdout
@@ -105,7 +113,9 @@ def test_two_processes_train_as_one_job(straight):
     rank0, rank1 = trace(out, 0), trace(out, 1)
     assert [r["step"] for r in rank0] == [r["step"] for r in rank1] == [s for s in range(1, 2 * STEPS + 1) for _ in range(2)]
     for a, b in zip(rank0, rank1, strict=True):
-        assert len(a["ids"]) == len(b["ids"]) == 4 and not set(a["ids"]) & set(b["ids"])
+        assert len(a["ids"]) == len(b["ids"]) == MICRO_BATCH and not set(a["ids"]) & set(b["ids"])
+    # together they followed the global order of (seed, epoch), across the epoch end
+    assert global_sequence(out, 2) == global_order(small_data, epochs=2, world_size=2)[: 2 * STEPS * 2 * MICRO_BATCH * ACCUMULATION]
     # replicas ended identical (the recipe gathers every rank's fingerprint and prints them)
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("parameters identical on all 2 ranks"))
     fingerprints = json.loads(line.split("fingerprints ")[1].replace("'", '"'))
@@ -127,17 +137,21 @@ def test_two_processes_train_as_one_job(straight):
     assert torch.equal(model.model.embed_tokens.weight, weights(out)["model.embed_tokens.weight"])
 
 
-def test_resume_is_bit_exact(straight, tiny_data, tmp_path):
+def test_resume_is_bit_exact(straight, small_data, tmp_path):
     """N steps, a new launch that auto-resumes for N more == 2N straight, with dropout on."""
     straight_tmp, _ = straight
     out = tmp_path / "out"
-    first = launch("cpu.yaml", recipe_args(tiny_data, out, STEPS), tmp_path)
+    first = launch("cpu.yaml", recipe_args(small_data, out, STEPS), tmp_path)
     assert first.returncode == 0
-    second = launch("cpu.yaml", recipe_args(tiny_data, out, 2 * STEPS), tmp_path)
+    second = launch("cpu.yaml", recipe_args(small_data, out, 2 * STEPS), tmp_path)
     assert second.returncode == 0
     assert f"resumed at step {STEPS}" in second.stdout
+    # the resumed half crossed an epoch end, and saw exactly the batches the straight run saw
+    steps_per_epoch = len(PackedDataset(small_data)) // (2 * MICRO_BATCH * ACCUMULATION)
+    assert STEPS < steps_per_epoch < 2 * STEPS
     assert_same_weights(straight_tmp / "out", out)
-    assert trace(out, 0) == trace(straight_tmp / "out", 0)
+    for rank in (0, 1):
+        assert trace(out, rank) == trace(straight_tmp / "out", rank)
     # the resumed launch continued the same MLflow run, with contiguous steps
     import mlflow
 
@@ -147,18 +161,50 @@ def test_resume_is_bit_exact(straight, tiny_data, tmp_path):
     assert steps == list(range(2, 2 * STEPS + 1, 2))
     # retention: the newest save_total_limit checkpoints, each with its manifest
     kept = sorted(p.name for p in (out / "checkpoints").iterdir())
-    assert kept == ["step_00000012", "step_00000016"]
+    assert kept == [f"step_{2 * STEPS - 4:08d}", f"step_{2 * STEPS:08d}"]
 
 
 @pytest.mark.parametrize("accelerate_config", ["zero2.yaml", "zero3.yaml"])
-def test_deepspeed_trains_saves_and_resumes_exactly(accelerate_config, tiny_data, tmp_path):
+def test_deepspeed_trains_saves_and_resumes_exactly(accelerate_config, small_data, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
-    assert launch(accelerate_config, recipe_args(tiny_data, a / "out", 2 * STEPS, "--report_to", "none"), a).returncode == 0
-    assert launch(accelerate_config, recipe_args(tiny_data, b / "out", STEPS, "--report_to", "none"), b).returncode == 0
-    resumed = launch(accelerate_config, recipe_args(tiny_data, b / "out", 2 * STEPS, "--report_to", "none"), b)
+    assert launch(accelerate_config, recipe_args(small_data, a / "out", 2 * STEPS, "--report_to", "none"), a).returncode == 0
+    assert launch(accelerate_config, recipe_args(small_data, b / "out", STEPS, "--report_to", "none"), b).returncode == 0
+    resumed = launch(accelerate_config, recipe_args(small_data, b / "out", 2 * STEPS, "--report_to", "none"), b)
     assert resumed.returncode == 0 and f"resumed at step {STEPS}" in resumed.stdout
     assert "world size 2 (DEEPSPEED)" in resumed.stdout
     assert_same_weights(a / "out", b / "out")
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(b / "out" / "final")
+
+
+def global_sequence(out: Path, world_size: int) -> list[int]:
+    """The samples a run consumed in training order: per micro-batch, rank 0's slice, then rank 1's, ..."""
+    traces = [trace(out, r) for r in range(world_size)]
+    return [i for lines in zip(*traces, strict=True) for line in lines for i in line["ids"]]
+
+
+def global_order(data: Path, epochs: int, world_size: int) -> list[int]:
+    """(seed, epoch) order, each epoch cut to whole global micro-batches (the short tail is dropped)."""
+    dataset = PackedDataset(data)
+    per_epoch = len(dataset) // (world_size * MICRO_BATCH) * (world_size * MICRO_BATCH)
+    return [int(i) for e in range(epochs) for i in EpochOrder(dataset.shard_sizes, SEED, e, SHUFFLE_WINDOW)[0:per_epoch]]
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
+def test_elastic_resume_continues_the_global_order(before, after, small_data, tmp_path):
+    """Stop on one world size, resume on another: no sample repeated, none skipped."""
+    out = tmp_path / "out"
+    first = launch("cpu.yaml", recipe_args(small_data, out, STEPS, "--report_to", "none"), tmp_path, num_processes=before)
+    assert first.returncode == 0
+    consumed = global_sequence(out, before)
+    second = launch("cpu.yaml", recipe_args(small_data, out, 2 * STEPS, "--report_to", "none"), tmp_path, num_processes=after)
+    assert second.returncode == 0 and f"world size {after}" in second.stdout and f"resumed at step {STEPS}" in second.stdout
+    # the trace of the new world: lines up to the resume step are the old run's (rank 0's file), then the new ranks'
+    resumed = [line for line in trace(out, 0) if line["step"] > STEPS]
+    others = [[line for line in trace(out, r) if line["step"] > STEPS] for r in range(1, after)]
+    continued = [i for lines in zip(resumed, *others, strict=True) for line in lines for i in line["ids"]]
+    both = consumed + continued
+    assert len(both) == STEPS * MICRO_BATCH * ACCUMULATION * (before + after)
+    assert len(both) < len(PackedDataset(small_data)) - 2 * MICRO_BATCH  # within epoch 0: no tail was dropped
+    assert both == global_order(small_data, epochs=1, world_size=1)[: len(both)]

@@ -1,13 +1,13 @@
 """A resumable, rank-aware reader over the global sample space.
 
-Order: epoch `e` visits the samples in `permutation(seed, e)`, a numpy permutation of the whole
-dataset that depends on nothing else (not the world size, not the worker count). The epoch is
-cut into global batches of `world_size * batch_size` samples; rank `r` takes the `r`-th slice
-of each. A final global batch that would be short is dropped.
+Order: epoch `e` visits the samples in `EpochOrder(seed, e)`: shards shuffled, then samples
+shuffled within windows, a function of (seed, epoch) alone (not of the world size, not of the
+worker count). The epoch is cut into global batches of `world_size * batch_size` samples; rank
+`r` takes the `r`-th slice of each. A final global batch that would be short is dropped.
 
 Position: one `DataCursor(epoch, samples_consumed)`, advanced when a batch is handed to the
-training loop (never by what DataLoader workers prefetched). Restoring it costs one permutation,
-whatever the position: no batch is read and thrown away to get there.
+training loop (never by what DataLoader workers prefetched). Restoring it costs one shard shuffle
+and one window shuffle, whatever the position: no batch is read and thrown away to get there.
 """
 
 from __future__ import annotations
@@ -40,15 +40,65 @@ class DataCursor:
         return f"DataCursor(epoch={self.epoch}, samples_consumed={self.samples_consumed})"
 
 
-def epoch_order(num_samples: int, seed: int, epoch: int) -> np.ndarray:
-    """The global visiting order of one epoch: a permutation of range(num_samples)."""
-    return np.random.default_rng([seed, epoch]).permutation(num_samples)
+class EpochOrder:
+    """The global visiting order of one epoch, with locality, computed a window at a time.
+
+    1. The shards are shuffled by `(seed, epoch)`.
+    2. Their samples, concatenated in that order, are cut into windows of `window` samples, and
+       each window is shuffled by `(seed, epoch, window number)`.
+
+    So at any moment the readers touch about `window / samples_per_shard` shards, one after the
+    other, which keeps reads near-sequential on network storage, while a window of many shards
+    still mixes documents from far apart. Nothing here depends on the world size or the worker
+    count, and nothing is O(dataset): seeking to any position costs one shard shuffle and one
+    window shuffle, whether the position is sample 0 or sample 10,000,000.
+    """
+
+    def __init__(self, shard_sizes: list[int], seed: int, epoch: int, window: int):
+        if window < 1:
+            raise ValueError(f"shuffle_window={window} must be >= 1")
+        sizes = np.asarray(shard_sizes, dtype=np.int64)
+        shard_starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        perm = np.random.default_rng([seed, epoch]).permutation(len(sizes))
+        self.seed, self.epoch = seed, epoch
+        self.num_samples = int(sizes.sum())
+        self.window = min(window, max(self.num_samples, 1))
+        self._offsets = np.concatenate([[0], np.cumsum(sizes[perm])])  # where each shuffled shard starts
+        self._bases = shard_starts[perm]  # its first global sample id
+        self._cache: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def _window_ids(self, w: int) -> np.ndarray:
+        ids = self._cache.get(w)
+        if ids is None:
+            lo = w * self.window
+            hi = min(lo + self.window, self.num_samples)
+            pos = lo + np.random.default_rng([self.seed, self.epoch, w]).permutation(hi - lo)
+            shard = np.searchsorted(self._offsets, pos, side="right") - 1
+            ids = self._bases[shard] + (pos - self._offsets[shard])
+            if len(self._cache) >= 2:  # the reader and the DataLoader's sampler may straddle a boundary
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[w] = ids
+        return ids
+
+    def __getitem__(self, positions: slice) -> np.ndarray:
+        """Global sample ids at positions [start, stop) of the epoch."""
+        start, stop, _ = positions.indices(self.num_samples)
+        if start >= stop:
+            return np.empty(0, dtype=np.int64)
+        parts = [
+            self._window_ids(w)[max(start - w * self.window, 0) : stop - w * self.window]
+            for w in range(start // self.window, (stop - 1) // self.window + 1)
+        ]
+        return np.concatenate(parts) if len(parts) != 1 else parts[0]
 
 
 class _RankBatches(torch.utils.data.Sampler):
     """This rank's slice of each global batch, from sample `start` of the epoch's order."""
 
-    def __init__(self, order: np.ndarray, start: int, batch_size: int, rank: int, world_size: int):
+    def __init__(self, order: EpochOrder, start: int, batch_size: int, rank: int, world_size: int):
         self.order, self.start, self.batch_size, self.rank = order, start, batch_size, rank
         self.global_batch = batch_size * world_size
 
@@ -59,6 +109,11 @@ class _RankBatches(torch.utils.data.Sampler):
 
     def __len__(self) -> int:
         return max(0, (len(self.order) - self.start) // self.global_batch)
+
+
+def _collate(batch):
+    """Datasets with `__getitems__` (PackedDataset) hand over a finished batch tensor."""
+    return batch if isinstance(batch, torch.Tensor) else torch.utils.data.default_collate(batch)
 
 
 class ResumableLoader:
@@ -79,8 +134,11 @@ class ResumableLoader:
         cursor: DataCursor | None = None,
         num_workers: int = 0,
         pin_memory: bool = False,
+        shuffle_window: int = 1 << 18,
     ):
         self.dataset, self.batch_size, self.seed = dataset, batch_size, seed
+        self.shard_sizes = list(getattr(dataset, "shard_sizes", [len(dataset)]))
+        self.shuffle_window = shuffle_window
         self.rank, self.world_size = rank, world_size
         self.cursor = cursor if cursor is not None else DataCursor()
         self.num_workers, self.pin_memory = num_workers, pin_memory
@@ -101,13 +159,14 @@ class ResumableLoader:
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         while True:
-            order = epoch_order(len(self.dataset), self.seed, self.cursor.epoch)
+            order = EpochOrder(self.shard_sizes, self.seed, self.cursor.epoch, self.shuffle_window)
             sampler = _RankBatches(order, self.cursor.samples_consumed, self.batch_size, self.rank, self.world_size)
             loader = torch.utils.data.DataLoader(
                 self.dataset,
                 batch_sampler=sampler,
                 num_workers=self.num_workers,
                 pin_memory=self.pin_memory,
+                collate_fn=_collate,
                 generator=torch.Generator(),
             )
             for batch, ids in zip(loader, sampler, strict=True):

@@ -13,7 +13,6 @@ last, so a shard the index lists is always complete. The reader opens shards laz
 
 from __future__ import annotations
 
-import bisect
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -73,16 +72,21 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32)
 
 
-def write_shard(data_dir: Path, shard_id: int, samples: np.ndarray) -> ShardInfo:
-    """Write one shard atomically and return its index entry."""
-    name = f"shard_{shard_id:05d}.npy"
-    tmp = data_dir / (name + ".tmp")
+def save_npy(path: Path, array: np.ndarray) -> None:
+    """Write `array` to `path` as .npy: to `path.tmp`, fsync, then rename (a listed file is whole)."""
+    tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        np.save(f, samples, allow_pickle=False)
+        np.save(f, array, allow_pickle=False)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, data_dir / name)
-    return ShardInfo(file=name, num_samples=len(samples), sha256=sha256_file(data_dir / name))
+    os.replace(tmp, path)
+
+
+def write_shard(data_dir: Path, shard_id: int, samples: np.ndarray) -> ShardInfo:
+    """Write one shard atomically and return its index entry."""
+    path = data_dir / f"shard_{shard_id:05d}.npy"
+    save_npy(path, samples)
+    return ShardInfo(file=path.name, num_samples=len(samples), sha256=sha256_file(path))
 
 
 def verify(data_dir: Path, index: DataIndex, checksums: bool) -> None:
@@ -101,6 +105,24 @@ def verify(data_dir: Path, index: DataIndex, checksums: bool) -> None:
             raise DataError(f"{path} does not match the sha256 in {INDEX_FILE}: the file was altered or damaged")
 
 
+def check_fits_model(index: DataIndex, eos_token_id: int, model_config) -> None:
+    """Raise DataError when the model cannot take these samples: too few token ids or positions, or another tokenizer."""
+    if model_config.vocab_size < index.vocab_size:
+        raise DataError(
+            f"the model's vocab_size={model_config.vocab_size} is smaller than the data's {index.vocab_size} "
+            f"(tokenizer {index.tokenizer!r}): use a model made for this tokenizer"
+        )
+    positions = getattr(model_config, "max_position_embeddings", None)
+    if positions is not None and positions < index.seq_len:
+        raise DataError(f"the data's seq_len={index.seq_len} exceeds the model's max_position_embeddings={positions}")
+    model_eos = model_config.eos_token_id
+    if model_eos is not None and eos_token_id not in (model_eos if isinstance(model_eos, list) else [model_eos]):
+        raise DataError(
+            f"the data separates documents with token {eos_token_id} (tokenizer {index.tokenizer!r}) but the model's "
+            f"eos_token_id is {model_eos}: the data was tokenized for another model"
+        )
+
+
 class PackedDataset(torch.utils.data.Dataset):
     """Map-style view of all shards: sample `i` of the global sample space -> LongTensor[seq_len].
 
@@ -111,7 +133,7 @@ class PackedDataset(torch.utils.data.Dataset):
         self.data_dir = Path(data_dir)
         self.index = DataIndex.load(self.data_dir)
         verify(self.data_dir, self.index, checksums=verify_checksums)
-        self._starts = np.cumsum([0] + [s.num_samples for s in self.index.shards]).tolist()
+        self._starts = np.cumsum([0] + self.shard_sizes)
         self._maps: dict[int, np.ndarray] = {}
 
     @property
@@ -119,20 +141,36 @@ class PackedDataset(torch.utils.data.Dataset):
         return self.index.seq_len
 
     @property
+    def shard_sizes(self) -> list[int]:
+        return [s.num_samples for s in self.index.shards]
+
+    @property
     def tokenizer_dir(self) -> Path:
         return self.data_dir / TOKENIZER_DIR
 
     def __len__(self) -> int:
-        return self._starts[-1]
+        return int(self._starts[-1])
 
-    def __getitem__(self, i: int) -> torch.Tensor:
-        if not 0 <= i < len(self):
-            raise IndexError(f"sample {i} outside [0, {len(self)})")
-        shard = bisect.bisect_right(self._starts, i) - 1
+    def _rows(self, shard: int) -> np.ndarray:
         rows = self._maps.get(shard)
         if rows is None:
             rows = self._maps[shard] = np.load(self.data_dir / self.index.shards[shard].file, mmap_mode="r")
-        return torch.from_numpy(rows[i - self._starts[shard]].astype(np.int64))
+        return rows
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.__getitems__([i])[0]
+
+    def __getitems__(self, ids: list[int]) -> torch.Tensor:
+        """A batch in one gather per shard (the DataLoader calls this instead of `__getitem__` per sample)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if len(ids) and (ids.min() < 0 or ids.max() >= len(self)):
+            raise IndexError(f"sample ids {ids.min()}..{ids.max()} outside [0, {len(self)})")
+        shards = np.searchsorted(self._starts, ids, side="right") - 1
+        out = np.empty((len(ids), self.seq_len), dtype=np.int64)
+        for shard in np.unique(shards):
+            mask = shards == shard
+            out[mask] = self._rows(int(shard))[ids[mask] - self._starts[shard]]
+        return torch.from_numpy(out)
 
     def __getstate__(self):  # workers reopen their own maps
         state = self.__dict__.copy()
