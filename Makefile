@@ -28,7 +28,7 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $@
 
 data: setup  ## tokenize and pack the default corpus (the Python standard library) into data/stdlib
-	$(BIN)/python -m infra.data.prepare --output_dir data/stdlib
+	$(BIN)/python -m infra.data.prepare --output_dir data/stdlib --num_proc 2
 
 train: data  ## pretrain the default model (RECIPE=, RUN_CONFIG=, ACCEL_CONFIG=, ARGS= to change)
 	$(BIN)/accelerate launch --config_file $(ACCEL_CONFIG) recipes/$(RECIPE).py --config $(RUN_CONFIG) $(ARGS)
@@ -42,7 +42,8 @@ test-all: setup  ## run every test, slow ones too
 ui: setup  ## serve the MLflow UI for this repository's runs on http://127.0.0.1:5000 (PORT= to change)
 	$(BIN)/mlflow ui --backend-store-uri $(MLFLOW_DB) --default-artifact-root $(CURDIR)/mlruns --host 127.0.0.1 --port $(PORT)
 
-bench: data  ## tokens/s of the recipe with all infra against a bare Accelerate loop, as a ratio
+bench: data  ## benchmarks, as ratios to their anchors measured in the same run (recipe overhead, data pipeline)
+	$(BIN)/python benchmarks/data_pipeline.py
 	$(BIN)/python benchmarks/recipe_overhead.py
 
 lint: setup  ## ruff: lint and format check over the whole tree
