@@ -249,3 +249,39 @@ def test_data_that_does_not_fit_the_model_is_refused(tiny_data):
         check_fits_model(index, 0, AutoConfig.for_model("llama", **{**fits, "max_position_embeddings": 32}))
     with pytest.raises(DataError, match="eos_token_id is 2: the data was tokenized for another model"):
         check_fits_model(index, 0, AutoConfig.for_model("llama", **{**fits, "eos_token_id": 2}))
+
+
+def test_packed_dataset_reads_the_same_through_workers_and_bounds_open_shards(tiny_data, monkeypatch):
+    dataset = PackedDataset(tiny_data)
+    direct = np.concatenate([np.load(tiny_data / s.file) for s in dataset.index.shards])
+    batches = {w: take(ResumableLoader(dataset, 16, 5, 0, 1, shuffle_window=100, num_workers=w), 20) for w in (0, 2)}
+    assert batches[0] == batches[2]
+    loader = ResumableLoader(dataset, 16, 5, 0, 1, shuffle_window=100)
+    for batch in itertools.islice(iter(loader), 20):
+        assert np.array_equal(batch.numpy(), direct[loader.last_sample_ids])  # the rows the ids name
+    monkeypatch.setattr(PackedDataset, "max_open_shards", 2)
+    small = PackedDataset(tiny_data)
+    assert np.array_equal(small.__getitems__(list(range(len(small)))).numpy(), direct)
+    assert len(small._maps) == 2
+
+
+def test_the_recipe_refuses_damaged_data_and_writes_nothing(tmp_path, tiny_data):
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    (data / "shard_00002.npy").unlink()
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "recipes" / "pretrain_clm.py"), "--data_dir", str(data), "--output_dir", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env={"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "PATH": "/usr/bin:/bin"},
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1] == f"data error: {data / 'shard_00002.npy'} is listed in index.json but missing"
+    assert not (tmp_path / "out").exists() and not (tmp_path / "mlflow.db").exists()

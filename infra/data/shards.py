@@ -126,8 +126,12 @@ def check_fits_model(index: DataIndex, eos_token_id: int, model_config) -> None:
 class PackedDataset(torch.utils.data.Dataset):
     """Map-style view of all shards: sample `i` of the global sample space -> LongTensor[seq_len].
 
-    Shards are memory-mapped on first touch in each process (DataLoader workers included).
+    Shards are memory-mapped on first touch in each process (DataLoader workers included); at most
+    `max_open_shards` stay mapped, the least recently opened are closed first. The loader's order
+    touches about `shuffle_window / samples_per_shard` shards at a time, well below that.
     """
+
+    max_open_shards = 512
 
     def __init__(self, data_dir: str | os.PathLike, verify_checksums: bool = False):
         self.data_dir = Path(data_dir)
@@ -154,7 +158,10 @@ class PackedDataset(torch.utils.data.Dataset):
     def _rows(self, shard: int) -> np.ndarray:
         rows = self._maps.get(shard)
         if rows is None:  # a plain ndarray over the map: np.memmap's indexing costs a few µs more per row
-            rows = self._maps[shard] = np.load(self.data_dir / self.index.shards[shard].file, mmap_mode="r").view(np.ndarray)
+            rows = np.load(self.data_dir / self.index.shards[shard].file, mmap_mode="r").view(np.ndarray)
+            if len(self._maps) >= self.max_open_shards:  # each map holds a file descriptor: close the oldest
+                del self._maps[next(iter(self._maps))]
+            self._maps[shard] = rows
         return rows
 
     def __getitem__(self, i: int) -> torch.Tensor:
