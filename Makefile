@@ -42,8 +42,9 @@ test-all: setup  ## run every test, slow ones too
 ui: setup  ## serve the MLflow UI for this repository's runs on http://127.0.0.1:5000 (PORT= to change)
 	$(BIN)/mlflow ui --backend-store-uri $(MLFLOW_DB) --default-artifact-root $(CURDIR)/mlruns --host 127.0.0.1 --port $(PORT)
 
-bench: data  ## benchmarks, as ratios to their anchors measured in the same run (recipe overhead, data pipeline)
+bench: data  ## benchmarks, as ratios to anchors measured in the same run (data, checkpoints, recipe overhead)
 	$(BIN)/python benchmarks/data_pipeline.py
+	$(BIN)/python benchmarks/checkpoint_cost.py
 	$(BIN)/python benchmarks/recipe_overhead.py
 
 lint: setup  ## ruff: lint and format check over the whole tree

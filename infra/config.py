@@ -52,21 +52,53 @@ class TrainingArguments:
 
     logging_steps: int = field(default=10, metadata={"help": "Log metrics every N optimizer steps."})
     save_steps: int = field(default=100, metadata={"help": "Save a checkpoint every N optimizer steps (0: only at the end)."})
+    save_every_minutes: str = field(
+        default="30",
+        metadata={
+            "help": "Also save when this many minutes of wall clock passed since the last save (0: off), whichever of this and "
+            "save_steps comes first; 'auto' picks the Young/Daly interval sqrt(2 * save cost * mtbf_hours) from measured saves."
+        },
+    )
+    mtbf_hours: float = field(default=24.0, metadata={"help": "Mean time between failures of the whole job, for save_every_minutes=auto."})
     save_total_limit: int | None = field(default=2, metadata={"help": "Keep the newest N checkpoints (None keeps all)."})
+    keep_best: int = field(default=0, metadata={"help": "Also keep the best N checkpoints by metric_for_best_model (0: off)."})
+    metric_for_best_model: str = field(default="train/loss", metadata={"help": "Logged metric that ranks checkpoints for keep_best."})
+    greater_is_better: bool = field(default=False, metadata={"help": "Whether a larger metric_for_best_model is better."})
+    save_milestone_steps: int = field(default=0, metadata={"help": "Keep every checkpoint whose step is a multiple of N forever (0: off)."})
+    verify_checksums: bool = field(
+        default=True, metadata={"help": "Check every file's checksum before resuming (sizes are always checked)."}
+    )
+    preemption_grace_seconds: float = field(
+        default=120.0, metadata={"help": "After SIGTERM/SIGUSR1, the time allowed to save and exit before the process stops anyway."}
+    )
     resume_from_checkpoint: str = field(
         default="auto",
         metadata={"help": "'auto' resumes from the newest checkpoint in output_dir, 'none' starts fresh, or a checkpoint path."},
     )
     ddp_timeout: int = field(default=1800, metadata={"help": "Seconds a collective may wait before the job fails instead of hanging."})
 
+    @property
+    def save_interval_minutes(self) -> float | str | None:
+        """save_every_minutes as a number, 'auto', or None when it is neither."""
+        if str(self.save_every_minutes).strip() == "auto":
+            return "auto"
+        try:
+            minutes = float(self.save_every_minutes)
+        except ValueError:
+            return None
+        return minutes if minutes >= 0 else None
+
     def __post_init__(self):
         for name in ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
-        for name in ("warmup_steps", "save_steps", "ddp_timeout"):
+        for name in ("warmup_steps", "save_steps", "ddp_timeout", "keep_best", "save_milestone_steps"):
             require(getattr(self, name) >= 0, name, getattr(self, name), "an integer >= 0")
         require(self.learning_rate > 0, "learning_rate", self.learning_rate, "a number > 0")
         require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
         require(self.max_grad_norm >= 0, "max_grad_norm", self.max_grad_norm, "a number >= 0")
+        require(self.save_interval_minutes is not None, "save_every_minutes", self.save_every_minutes, "a number of minutes >= 0 or 'auto'")
+        require(self.mtbf_hours > 0, "mtbf_hours", self.mtbf_hours, "a number > 0")
+        require(self.preemption_grace_seconds > 0, "preemption_grace_seconds", self.preemption_grace_seconds, "a number > 0")
         require(
             self.save_total_limit is None or self.save_total_limit >= 1,
             "save_total_limit",

@@ -15,6 +15,7 @@ Any flag overrides the YAML. The run resumes by itself from the newest checkpoin
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +28,7 @@ from transformers import (
     get_cosine_with_min_lr_schedule_with_warmup,
 )
 
-from infra.checkpoint import CheckpointManager, TrainState, environment_facts
+from infra.checkpoint import CheckpointError, CheckpointManager, SaveSchedule, TrainState, environment_facts, write_model_card
 from infra.config import TrainingArguments, parse_config, require, resolved
 from infra.data import DataCursor, PackedDataset, ResumableLoader, SampleTrace, check_fits_model
 from infra.distributed import build_accelerator
@@ -65,7 +66,7 @@ class DataArguments:
     shuffle_window: int = field(
         default=1 << 18, metadata={"help": "Samples shuffled together after the shards are shuffled (see infra.data.loader.EpochOrder)."}
     )
-    verify_checksums: bool = field(default=False, metadata={"help": "sha256 every shard before training."})
+    verify_data_checksums: bool = field(default=False, metadata={"help": "sha256 every shard before training."})
     trace_samples: bool = field(default=False, metadata={"help": "Log each step's global sample ids to OUTPUT_DIR/trace/rank{r}.jsonl."})
 
     def __post_init__(self):
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     model_args, data_args, args = parse_config((ModelArguments, DataArguments, TrainingArguments), argv)
     config = resolved(model_args, data_args, args)
     try:
-        dataset = PackedDataset(data_args.data_dir, verify_checksums=data_args.verify_checksums)
+        dataset = PackedDataset(data_args.data_dir, verify_checksums=data_args.verify_data_checksums)
     except ValueError as err:
         raise SystemExit(f"data error: {err}") from None
     tokenizer = AutoTokenizer.from_pretrained(dataset.tokenizer_dir)
@@ -147,9 +148,22 @@ def main(argv: list[str] | None = None) -> None:
     # Checkpoints and tracking: resume the newest checkpoint and the same MLflow run
     state = TrainState()
     accelerator.register_for_checkpointing(state, cursor)
-    checkpoints = CheckpointManager(accelerator, args.output_dir, args.save_total_limit, config)
-    resume = checkpoints.resolve(args.resume_from_checkpoint)
+    checkpoints = CheckpointManager(
+        accelerator,
+        args.output_dir,
+        config,
+        args.save_total_limit,
+        args.keep_best,
+        args.metric_for_best_model,
+        args.greater_is_better,
+        args.save_milestone_steps,
+    )
+    try:
+        resume = checkpoints.resolve(args.resume_from_checkpoint, checksums=args.verify_checksums)
+    except CheckpointError as err:
+        raise SystemExit(f"checkpoint error: {err}") from None
     manifest = checkpoints.load(resume) if resume else {}
+    schedule = SaveSchedule(accelerator, args.save_steps, args.save_interval_minutes, args.mtbf_hours, args.preemption_grace_seconds)
     run_id = None
     if args.report_to == "mlflow":
         run_id = start_run(
@@ -167,13 +181,21 @@ def main(argv: list[str] | None = None) -> None:
 
     trace = SampleTrace(args.output_dir, accelerator.process_index, state.step) if data_args.trace_samples else None
 
+    metrics: dict[str, float] = manifest.get("metrics", {})
+
     def save() -> None:
         if trace:
             trace.flush()
-        checkpoints.save(
-            state.step,
-            {"tokens_seen": state.tokens_seen, "cursor": cursor.state_dict(), "mlflow_run_id": run_id, **environment_facts(accelerator)},
-        )
+        start = time.perf_counter()
+        facts = {"tokens_seen": state.tokens_seen, "cursor": cursor.state_dict(), "metrics": metrics, "mlflow_run_id": run_id}
+        try:
+            checkpoints.save(state.step, {**facts, **environment_facts(accelerator)})
+        except CheckpointError as err:
+            raise SystemExit(f"checkpoint error: {err}") from None
+        seconds = time.perf_counter() - start
+        if (minutes := schedule.saved(seconds)) is not None:
+            accelerator.print(f"a save takes {seconds:.1f}s: saving every {minutes:.1f} min (Young/Daly, MTBF {args.mtbf_hours:g} h)")
+        accelerator.log({"checkpoint/save_seconds": seconds, "checkpoint/interval_minutes": schedule.interval / 60}, step=state.step)
 
     # Training loop
     tokens_per_step = loader.global_batch_size * args.gradient_accumulation_steps * dataset.seq_len
@@ -182,6 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     loss_sum, loss_count = torch.zeros((), device=accelerator.device), 0
     bar = tqdm(total=args.max_steps, initial=state.step, desc="train", disable=not accelerator.is_local_main_process)
     model.train()
+    preempted = False
     while state.step < args.max_steps:
         for _ in range(args.gradient_accumulation_steps):
             batch = next(batches).to(accelerator.device, non_blocking=True)
@@ -218,12 +241,19 @@ def main(argv: list[str] | None = None) -> None:
                 accelerator.print(f"warning: non-finite loss {mean_loss} at step {state.step}")
             accelerator.log(metrics, step=state.step)
             bar.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{metrics['perf/tokens_per_second']:.0f}")
-        if args.save_steps and state.step % args.save_steps == 0:
+        save_now, preempted = schedule.check(state.step)  # the same answer on every rank
+        if save_now or state.step == args.max_steps:
             save()
+        if preempted:
+            break
     bar.close()
-    save()
+    schedule.close()
     if trace:
         trace.close()
+    if preempted:
+        accelerator.print(f"preempted (SIGTERM/SIGUSR1): saved step {state.step}; the next launch resumes from it")
+        accelerator.end_training()
+        return
     check_replicas_in_sync(accelerator, model)
 
     # Export: safetensors weights + tokenizer that load with from_pretrained
@@ -237,6 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     if accelerator.is_main_process:
         tokenizer.save_pretrained(final)
+        write_model_card(final, "pretrain_clm", config, {"step": state.step, "tokens_seen": state.tokens_seen, **metrics})
     accelerator.print(f"done: step {state.step}, {state.tokens_seen} tokens; model exported to {final}")
     accelerator.end_training()
 

@@ -42,10 +42,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(
-    accelerate_config: str, recipe_args: list[str], tmp_path: Path, recipe: str = "pretrain_clm", timeout: int = 600, num_processes: int = 2
-):
-    """`accelerate launch --config_file accelerate_configs/X recipes/R.py ...`, as the README shows it.
+def launch_command(accelerate_config: str, recipe_args: list[str], tmp_path: Path, recipe: str = "pretrain_clm", num_processes: int = 2):
+    """`accelerate launch --config_file accelerate_configs/X recipes/R.py ...`, as the README shows it, and its environment.
 
     The only environment added is where MLflow writes (a store in tmp_path).
     """
@@ -62,6 +60,11 @@ def launch(
         str(REPO / "recipes" / f"{recipe}.py"),
         *recipe_args,
     ]
+    return cmd, env
+
+
+def launch(accelerate_config: str, recipe_args: list[str], tmp_path: Path, timeout: int = 600, num_processes: int = 2, **kw):
+    cmd, env = launch_command(accelerate_config, recipe_args, tmp_path, num_processes=num_processes, **kw)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         print(proc.stdout[-5000:], proc.stderr[-8000:], sep="\n")

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from infra.checkpoint import PAUSE_ENV
 from infra.data import PackedDataset
 from infra.data.loader import EpochOrder
-from tests.conftest import BIN, REPO, free_port, launch
+from tests.conftest import BIN, REPO, free_port, launch, launch_command
 
 pytestmark = pytest.mark.multiprocess
 
@@ -208,3 +212,81 @@ def test_elastic_resume_continues_the_global_order(before, after, small_data, tm
     assert len(both) == STEPS * MICRO_BATCH * ACCUMULATION * (before + after)
     assert len(both) < len(PackedDataset(small_data)) - 2 * MICRO_BATCH  # within epoch 0: no tail was dropped
     assert both == global_order(small_data, epochs=1, world_size=1)[: len(both)]
+
+
+def start(args: list[str], tmp_path: Path, **env) -> subprocess.Popen:
+    """A launch in its own process group (so the test can kill all of it), output to files."""
+    cmd, base_env = launch_command("cpu.yaml", args, tmp_path)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    log = tmp_path / f"launch{len(list(tmp_path.glob('launch*.log')))}.log"
+    with open(log, "w") as f:
+        return subprocess.Popen(cmd, cwd=REPO, env={**base_env, **env}, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"the launch ended (rc {proc.returncode}) before the moment the test waits for"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_killed_launches_resume_to_the_same_weights(straight, small_data, tmp_path):
+    """kill -9 of the whole launch, once inside a save and once between saves; relaunching ends as the straight run."""
+    out, ckpts = tmp_path / "out", tmp_path / "out" / "checkpoints"
+    args = recipe_args(small_data, out, 2 * STEPS, "--report_to", "none")
+
+    paused = start(args, tmp_path, **{PAUSE_ENV: "60"})  # every save stops between save_state and its commit
+    wait_for(lambda: (ckpts / ".step_00000004.partial" / "model.safetensors").exists(), paused)
+    time.sleep(0.5)
+    os.killpg(paused.pid, signal.SIGKILL)
+    paused.wait()
+    assert not list(ckpts.glob("step_*"))  # the cut save was never committed
+
+    second = start(args, tmp_path)
+    wait_for(lambda: (ckpts / "step_00000008" / "manifest.json").exists(), second)
+    os.killpg(second.pid, signal.SIGKILL)
+    second.wait()
+
+    last = launch("cpu.yaml", args, tmp_path)
+    assert last.returncode == 0 and "resumed at step" in last.stdout
+    assert_same_weights(straight[0] / "out", out)
+    for rank in (0, 1):
+        assert trace(out, rank) == trace(straight[0] / "out", rank)
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(straight, small_data, tmp_path):
+    out = tmp_path / "out"
+    first = launch("cpu.yaml", recipe_args(small_data, out, 2 * STEPS - 4, "--report_to", "none", "--save_total_limit", "3"), tmp_path)
+    assert first.returncode == 0
+    newest = out / "checkpoints" / f"step_{2 * STEPS - 4:08d}" / "model.safetensors"
+    raw = bytearray(newest.read_bytes())
+    raw[-100] ^= 0x10
+    newest.write_bytes(bytes(raw))
+    resumed = launch("cpu.yaml", recipe_args(small_data, out, 2 * STEPS, "--report_to", "none"), tmp_path)
+    assert resumed.returncode == 0
+    assert f"skipping checkpoint {newest.parent}: model.safetensors does not match its checksum" in resumed.stdout
+    assert f"resumed at step {2 * STEPS - 8}" in resumed.stdout
+    assert_same_weights(straight[0] / "out", out)
+
+
+def test_sigterm_saves_exits_zero_and_resumes_exactly(small_data, tmp_path):
+    import psutil
+
+    long_run = ["--warmup_steps", "100000"]  # the schedule then does not depend on max_steps
+    a, b = tmp_path / "a", tmp_path / "b"
+    proc = start(recipe_args(small_data, a / "out", 100000, "--report_to", "none", *long_run), a)
+    wait_for(lambda: (a / "out" / "checkpoints" / "step_00000004" / "manifest.json").exists(), proc)
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "pretrain_clm.py" in " ".join(p.cmdline())]
+    assert len(workers) == 2
+    workers[-1].send_signal(signal.SIGTERM)  # one rank only: the other learns of it at the next step
+    assert proc.wait(timeout=120) == 0
+    assert "preempted (SIGTERM/SIGUSR1): saved step" in (a / "launch0.log").read_text()
+    saved = int(sorted((a / "out" / "checkpoints").glob("step_*"))[-1].name[len("step_") :])
+    assert saved > 4 and not (a / "out" / "final").exists()
+
+    end = saved + 4
+    resumed = launch("cpu.yaml", recipe_args(small_data, a / "out", end, "--report_to", "none", *long_run), a)
+    assert resumed.returncode == 0 and f"resumed at step {saved}" in resumed.stdout
+    assert launch("cpu.yaml", recipe_args(small_data, b / "out", end, "--report_to", "none", *long_run), b).returncode == 0
+    assert_same_weights(a / "out", b / "out")

@@ -1,0 +1,158 @@
+"""Checkpoints in one process: commit, verification, retention, a full disk, the save schedule."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import time
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from infra.checkpoint import CORRUPT, CheckpointError, CheckpointManager, SaveSchedule, TrainState, problem, read_manifest
+
+
+@pytest.fixture(scope="module")
+def accelerator():
+    return Accelerator()
+
+
+@pytest.fixture
+def trainer(accelerator):
+    """A tiny model and optimizer registered the way recipes do, with a counter to tell states apart."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    state = TrainState()
+    accelerator._custom_objects.clear()
+    accelerator.register_for_checkpointing(state)
+
+    def step():
+        model(torch.randn(8, 64)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        state.step += 1
+
+    return model, state, step
+
+
+def manager(accelerator, tmp_path, **kw) -> CheckpointManager:
+    return CheckpointManager(accelerator, tmp_path, {"test": True}, **kw)
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(accelerator, trainer, tmp_path, capsys):
+    model, state, step = trainer
+    checkpoints = manager(accelerator, tmp_path)
+    weights = {}
+    for _ in range(3):
+        step()
+        checkpoints.save(state.step, {})
+        weights[state.step] = model.weight.detach().clone()
+    assert [p.name for p in checkpoints.checkpoints()] == ["step_00000001", "step_00000002", "step_00000003"]
+    newest = checkpoints.path(3)
+    assert problem(newest) is None and read_manifest(newest)["files"]["model.safetensors"]["crc32"]
+
+    target = newest / "model.safetensors"
+    raw = bytearray(target.read_bytes())
+    raw[len(raw) // 2] ^= 0x01  # one bit, same size: only the checksum can tell
+    target.write_bytes(bytes(raw))
+    assert problem(newest, checksums=False) is None
+    assert problem(newest) == "model.safetensors does not match its checksum (altered or damaged on disk)"
+
+    resume = checkpoints.resolve("auto")
+    assert resume == checkpoints.path(2)
+    assert "skipping checkpoint" in capsys.readouterr().out
+    assert [p.name.split(".")[0] for p in (tmp_path / "checkpoints" / CORRUPT).iterdir()] == ["step_00000003"]
+    checkpoints.load(resume)
+    assert state.step == 2 and torch.equal(model.weight, weights[2])
+
+    (checkpoints.path(2) / "optimizer.bin").unlink()
+    assert checkpoints.resolve("auto") == checkpoints.path(1)
+    with open(checkpoints.path(1) / "model.safetensors", "r+b") as f:
+        f.truncate(100)
+    assert checkpoints.resolve("auto") is None
+    with pytest.raises(CheckpointError, match="does not exist|cannot be used"):
+        checkpoints.resolve(str(tmp_path / "checkpoints" / "step_00000009"))
+
+
+def test_a_full_disk_leaves_every_earlier_checkpoint_intact(accelerator, trainer, tmp_path):
+    """A file-size limit makes writes fail with EFBIG, as a full disk fails them with ENOSPC."""
+    _, state, step = trainer
+    checkpoints = manager(accelerator, tmp_path)
+    step()
+    checkpoints.save(state.step, {})
+    step()
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+    try:
+        with pytest.raises(
+            CheckpointError, match=r"saving the checkpoint of step 2 failed \(.+\); the earlier checkpoints are intact: step_00000001"
+        ):
+            checkpoints.save(state.step, {})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000001"]
+    assert problem(checkpoints.path(1)) is None
+
+
+def test_retention_keeps_newest_best_and_milestones_across_a_restart(accelerator, trainer, tmp_path):
+    _, state, step = trainer
+    losses = {1: 5.0, 2: 3.0, 3: 4.0, 4: 2.5, 5: 6.0, 6: 7.0, 7: 8.0, 8: 9.0}
+    kw = dict(save_total_limit=2, keep_best=2, metric_for_best_model="train/loss", save_milestone_steps=3)
+    checkpoints = manager(accelerator, tmp_path, **kw)
+    for _ in range(5):
+        step()
+        checkpoints.save(state.step, {"metrics": {"train/loss": losses[state.step]}})
+    assert [p.name[-1] for p in checkpoints.checkpoints()] == ["2", "3", "4", "5"]  # best 4, 2; milestone 3; newest 4, 5
+    restarted = manager(accelerator, tmp_path, **kw)  # a new process: retention reads the manifests
+    for _ in range(3):
+        step()
+        restarted.save(state.step, {"metrics": {"train/loss": losses[state.step]}})
+    assert [p.name[-1] for p in restarted.checkpoints()] == ["2", "3", "4", "6", "7", "8"]
+    greater = manager(accelerator, tmp_path, save_total_limit=1, keep_best=1, greater_is_better=True)
+    greater.prune()
+    assert [p.name[-1] for p in greater.checkpoints()] == ["8"]  # the highest loss is also the newest
+
+
+def test_schedule_saves_on_steps_on_the_clock_and_on_a_signal(accelerator):
+    before = {sig: signal.getsignal(sig) for sig in SaveSchedule.SIGNALS}
+    by_steps = SaveSchedule(accelerator, save_steps=5, minutes=0, mtbf_hours=24, grace_seconds=60)
+    assert [by_steps.check(s) for s in (4, 5)] == [(False, False), (True, False)]
+    by_steps.close()
+    clock = SaveSchedule(accelerator, save_steps=0, minutes=0.001, mtbf_hours=24, grace_seconds=60)  # 60 ms
+    assert clock.check(1) == (False, False)
+    time.sleep(0.07)
+    assert clock.check(2) == (True, False)
+    assert clock.saved(0.5) is None and clock.check(3) == (False, False)  # the clock restarts at each save
+    clock.close()
+    auto = SaveSchedule(accelerator, save_steps=0, minutes="auto", mtbf_hours=24, grace_seconds=60)
+    assert auto.check(1) == (False, False)  # 30 minutes until a save has been measured
+    assert auto.saved(2.0) == pytest.approx((2 * 2.0 * 24 * 3600) ** 0.5 / 60)  # Young/Daly: 9.8 minutes
+    auto.close()
+    for sig in SaveSchedule.SIGNALS:
+        schedule = SaveSchedule(accelerator, save_steps=0, minutes=0, mtbf_hours=24, grace_seconds=60)
+        os.kill(os.getpid(), sig)
+        assert schedule.check(7) == (True, True)
+        schedule.close()  # also stops the watchdog that would end this process after the grace period
+    assert {sig: signal.getsignal(sig) for sig in SaveSchedule.SIGNALS} == before
+
+
+def test_the_preemption_watchdog_ends_a_process_that_does_not_exit(tmp_path):
+    import subprocess
+    import sys
+
+    script = (
+        "import os, signal, time\n"
+        "from accelerate import Accelerator\n"
+        "from infra.checkpoint import SaveSchedule\n"
+        "SaveSchedule(Accelerator(), 0, 0, 24, grace_seconds=0.5)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "no clean exit within preemption_grace_seconds=0.5" in proc.stdout  # not 0 after the sleep
