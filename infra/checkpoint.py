@@ -43,7 +43,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list
 
 from infra.config import to_json
-from infra.files import atomic_write_text, fsync_dir
+from infra.files import atomic_write_text, fsync_dir, fsync_file
 
 log = logging.getLogger(__name__)
 
@@ -75,26 +75,30 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written, or one that was asked for cannot be used."""
 
 
-def crc32_file(path: Path, fsync: bool = False) -> str:
-    """CRC-32 of a file's bytes (read in 8 MiB blocks; zlib releases the GIL); fsync it too if asked."""
+def crc32_file(path: Path) -> str:
+    """CRC-32 of a file's bytes (read in 8 MiB blocks; zlib releases the GIL)."""
     crc = 0
     with open(path, "rb") as f:
         while block := f.read(BLOCK):
             crc = zlib.crc32(block, crc)
-        if fsync:
-            os.fsync(f.fileno())
     return f"{crc:08x}"
 
 
-def _parallel(fn, items):
-    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+def _parallel(fn, items: list, workers: int | None = None):
+    with ThreadPoolExecutor(max_workers=max(1, min(workers or os.cpu_count() or 2, len(items)))) as pool:
         return list(pool.map(fn, items))
 
 
 def seal(folder: Path) -> dict[str, dict[str, Any]]:
-    """Checksum and fsync every file below `folder` (files in parallel), then fsync the folders."""
+    """Checksum and fsync every file below `folder`, then fsync the folders.
+
+    Each file's fsync and checksum are separate tasks on a thread pool, so reading a file back
+    from the page cache overlaps the disk flushing it.
+    """
     paths = sorted(p for p in folder.rglob("*") if p.is_file())
-    sums = _parallel(lambda p: crc32_file(p, fsync=True), paths)
+    tasks = [(fsync_file, p) for p in paths] + [(crc32_file, p) for p in paths]
+    results = _parallel(lambda task: task[0](task[1]), tasks, workers=min(len(tasks), 64))
+    sums = results[len(paths) :]
     for d in sorted({p.parent for p in paths} | {folder}, key=lambda d: len(d.parts), reverse=True):
         fsync_dir(d)
     return {str(p.relative_to(folder)): {"size": p.stat().st_size, "crc32": c} for p, c in zip(paths, sums, strict=True)}
@@ -119,11 +123,16 @@ def problem(path: Path, checksums: bool = True) -> str | None:
             return f"{rel} is missing"
         if f.stat().st_size != entry["size"]:
             return f"{rel} has {f.stat().st_size} bytes, the manifest says {entry['size']}"
-    if checksums:
-        rels = list(files)
-        for rel, crc in zip(rels, _parallel(lambda r: crc32_file(Path(path) / r), rels), strict=True):
-            if crc != files[rel]["crc32"]:
-                return f"{rel} does not match its checksum (altered or damaged on disk)"
+    return checksum_problem(path) if checksums else None
+
+
+def checksum_problem(path: Path) -> str | None:
+    """The first file of checkpoint `path` whose CRC-32 differs from its manifest's (files read in parallel)."""
+    files = read_manifest(path)["files"]
+    rels = list(files)
+    for rel, crc in zip(rels, _parallel(lambda r: crc32_file(Path(path) / r), rels), strict=True):
+        if crc != files[rel]["crc32"]:
+            return f"{rel} does not match its checksum (altered or damaged on disk)"
     return None
 
 
@@ -155,6 +164,7 @@ class CheckpointManager:
         self.config = config
         self.save_total_limit, self.keep_best, self.save_milestone_steps = save_total_limit, keep_best, save_milestone_steps
         self.metric, self.greater_is_better = metric_for_best_model, greater_is_better
+        self._pruning: threading.Thread | None = None
         if accelerator.is_main_process:
             self.root.mkdir(parents=True, exist_ok=True)
             for leftover in [*self.root.glob(f".{PREFIX}*.partial"), *(p for p in self.checkpoints() if not (p / MANIFEST).is_file())]:
@@ -170,38 +180,60 @@ class CheckpointManager:
         found = [p for p in self.root.glob(f"{PREFIX}*") if p.is_dir() and p.name[len(PREFIX) :].isdigit()]
         return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
 
-    def resolve(self, resume_from_checkpoint: str, checksums: bool = True) -> Path | None:
-        """The checkpoint to resume from: 'none', 'auto' (newest that verifies) or an explicit path.
+    def resume(self, resume_from_checkpoint: str, checksums: bool = True) -> tuple[Path | None, dict[str, Any]]:
+        """Load the checkpoint to resume from; returns it and its manifest, or (None, {}) to start fresh.
 
-        Rank 0 verifies and tells the others, so the files are read once, not once per rank. A
-        checkpoint that fails is reported in one line and moved to `checkpoints/corrupt/`.
+        'none' starts fresh; a path must verify; 'auto' takes the newest that verifies, and reports
+        in one line and moves to `checkpoints/corrupt/` each one that does not. Rank 0 checks the
+        manifest and sizes, then checksums every file while all ranks load it: loading is
+        idempotent, so when the checksums disagree the next candidate is simply loaded over it, and
+        verification costs little more than the load itself. Counters and the data cursor are
+        restored from the manifest (JSON) by the caller, so nothing of ours is unpickled.
         """
-        chosen: list[Any] = [None]
-        if self.accelerator.is_main_process:
-            chosen[0] = self._resolve(resume_from_checkpoint, checksums)
-        if self.accelerator.num_processes > 1:
-            broadcast_object_list(chosen)
-        if isinstance(chosen[0], CheckpointError):
-            raise chosen[0]
-        return None if chosen[0] is None else Path(chosen[0])
-
-    def _resolve(self, resume_from_checkpoint: str, checksums: bool) -> str | CheckpointError | None:
         if resume_from_checkpoint == "none":
-            return None
-        candidates = reversed(self.checkpoints()) if resume_from_checkpoint == "auto" else [Path(resume_from_checkpoint)]
+            return None, {}
+        explicit = resume_from_checkpoint != "auto"
+        candidates = [Path(resume_from_checkpoint)] if explicit else list(reversed(self.checkpoints()))
+        acc = self.accelerator
         for path in candidates:
-            why = problem(path, checksums)
+            why = self._on_main(lambda path=path: problem(path, checksums=False))
+            if why is None and (incompatible := self._on_main(lambda path=path: self._incompatibility(path))):
+                raise CheckpointError(f"cannot resume from {path}: {incompatible}")
             if why is None:
-                why = self._incompatibility(path)
-                if why is None:
-                    return str(path)
-                return CheckpointError(f"cannot resume from {path}: {why}")
-            if resume_from_checkpoint != "auto":
-                return CheckpointError(f"resume_from_checkpoint={str(path)!r} cannot be used: {why}")
-            print(f"warning: skipping checkpoint {path}: {why}; moved to {self.root / CORRUPT}", flush=True)
-            (self.root / CORRUPT).mkdir(exist_ok=True)
-            os.replace(path, self.root / CORRUPT / f"{path.name}.{int(time.time())}")
-        return None
+                why = self._load_verified(path, checksums)
+            if why is None:
+                return path, read_manifest(path)
+            if explicit:
+                raise CheckpointError(f"cannot resume from {path}: {why}")
+            if acc.is_main_process:
+                print(f"warning: skipping checkpoint {path}: {why}; moved to {self.root / CORRUPT}", flush=True)
+                (self.root / CORRUPT).mkdir(exist_ok=True)
+                os.replace(path, self.root / CORRUPT / f"{path.name}.{int(time.time())}")
+            acc.wait_for_everyone()
+        return None, {}
+
+    def _load_verified(self, path: Path, checksums: bool) -> str | None:
+        """Load `path` on every rank while rank 0 checksums it; why it is unusable, or None."""
+        acc = self.accelerator
+        with ThreadPoolExecutor(1) as pool:
+            checked = pool.submit(checksum_problem, path) if checksums and acc.is_main_process else None
+            error = None
+            try:
+                acc.load_state(str(path))
+            except Exception as err:  # a damaged file the checksums will name, usually
+                error = err
+            loaded = _all_ranks_ok(acc, error is None)
+            why = self._on_main(lambda: checked.result() if checked else None)
+        if why is None and not loaded:
+            why = f"loading failed ({error})" if error else "loading failed on another rank"
+        return why
+
+    def _on_main(self, fn):
+        """fn() computed on rank 0, returned on every rank."""
+        box = [fn() if self.accelerator.is_main_process else None]
+        if self.accelerator.num_processes > 1:
+            broadcast_object_list(box)
+        return box[0]
 
     def _incompatibility(self, path: Path) -> str | None:
         manifest = read_manifest(path)
@@ -214,11 +246,6 @@ class CheckpointManager:
                 "(or convert it with DeepSpeed's ds_to_universal)"
             )
         return None
-
-    def load(self, path: Path) -> dict[str, Any]:
-        """Restore everything save_state wrote; returns the manifest."""
-        self.accelerator.load_state(str(path))
-        return read_manifest(path)
 
     def save(self, step: int, manifest: dict[str, Any]) -> Path:
         """Save, commit (manifest last, then rename), then prune. Called on every rank.
@@ -254,10 +281,17 @@ class CheckpointManager:
                 error = err
         if not _all_ranks_ok(acc, error is None):
             self._give_up(work, step, error)
-        if acc.is_main_process:
-            self.prune()
+        if acc.is_main_process:  # deleting old checkpoints is not on the training's critical path
+            self.wait_for_pruning()
+            self._pruning = threading.Thread(target=self.prune, name="checkpoint-prune")
+            self._pruning.start()
         acc.wait_for_everyone()
         return final
+
+    def wait_for_pruning(self) -> None:
+        if self._pruning is not None:
+            self._pruning.join()
+            self._pruning = None
 
     def _give_up(self, work: Path, step: int, error: Exception | None) -> None:
         if self.accelerator.is_main_process:

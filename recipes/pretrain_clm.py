@@ -147,7 +147,6 @@ def main(argv: list[str] | None = None) -> None:
 
     # Checkpoints and tracking: resume the newest checkpoint and the same MLflow run
     state = TrainState()
-    accelerator.register_for_checkpointing(state, cursor)
     checkpoints = CheckpointManager(
         accelerator,
         args.output_dir,
@@ -159,10 +158,12 @@ def main(argv: list[str] | None = None) -> None:
         args.save_milestone_steps,
     )
     try:
-        resume = checkpoints.resolve(args.resume_from_checkpoint, checksums=args.verify_checksums)
+        resume, manifest = checkpoints.resume(args.resume_from_checkpoint, checksums=args.verify_checksums)
     except CheckpointError as err:
         raise SystemExit(f"checkpoint error: {err}") from None
-    manifest = checkpoints.load(resume) if resume else {}
+    if manifest:  # counters and cursor come from the manifest (JSON): nothing of ours is unpickled
+        state.load_state_dict(manifest)
+        cursor.load_state_dict(manifest["cursor"])
     schedule = SaveSchedule(accelerator, args.save_steps, args.save_interval_minutes, args.mtbf_hours, args.preemption_grace_seconds)
     run_id = None
     if args.report_to == "mlflow":

@@ -27,8 +27,6 @@ def trainer(accelerator):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = accelerator.prepare(model, optimizer)
     state = TrainState()
-    accelerator._custom_objects.clear()
-    accelerator.register_for_checkpointing(state)
 
     def step():
         model(torch.randn(8, 64)).square().mean().backward()
@@ -51,6 +49,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(accelerator
         step()
         checkpoints.save(state.step, {})
         weights[state.step] = model.weight.detach().clone()
+    checkpoints.wait_for_pruning()
     assert [p.name for p in checkpoints.checkpoints()] == ["step_00000001", "step_00000002", "step_00000003"]
     newest = checkpoints.path(3)
     assert problem(newest) is None and read_manifest(newest)["files"]["model.safetensors"]["crc32"]
@@ -62,20 +61,20 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(accelerator
     assert problem(newest, checksums=False) is None
     assert problem(newest) == "model.safetensors does not match its checksum (altered or damaged on disk)"
 
-    resume = checkpoints.resolve("auto")
-    assert resume == checkpoints.path(2)
+    resume, manifest = checkpoints.resume("auto")  # loads step 3 while checking it, then step 2 over it
+    assert resume == checkpoints.path(2) and manifest["step"] == 2
     assert "skipping checkpoint" in capsys.readouterr().out
     assert [p.name.split(".")[0] for p in (tmp_path / "checkpoints" / CORRUPT).iterdir()] == ["step_00000003"]
-    checkpoints.load(resume)
-    assert state.step == 2 and torch.equal(model.weight, weights[2])
+    assert torch.equal(model.weight, weights[2])
 
     (checkpoints.path(2) / "optimizer.bin").unlink()
-    assert checkpoints.resolve("auto") == checkpoints.path(1)
+    assert checkpoints.resume("auto")[0] == checkpoints.path(1)
+    assert torch.equal(model.weight, weights[1])
     with open(checkpoints.path(1) / "model.safetensors", "r+b") as f:
         f.truncate(100)
-    assert checkpoints.resolve("auto") is None
-    with pytest.raises(CheckpointError, match="does not exist|cannot be used"):
-        checkpoints.resolve(str(tmp_path / "checkpoints" / "step_00000009"))
+    assert checkpoints.resume("auto") == (None, {})
+    with pytest.raises(CheckpointError, match="cannot resume from .*step_00000009: no manifest.json"):
+        checkpoints.resume(str(tmp_path / "checkpoints" / "step_00000009"))
 
 
 def test_a_full_disk_leaves_every_earlier_checkpoint_intact(accelerator, trainer, tmp_path):
@@ -108,11 +107,13 @@ def test_retention_keeps_newest_best_and_milestones_across_a_restart(accelerator
     for _ in range(5):
         step()
         checkpoints.save(state.step, {"metrics": {"train/loss": losses[state.step]}})
+    checkpoints.wait_for_pruning()
     assert [p.name[-1] for p in checkpoints.checkpoints()] == ["2", "3", "4", "5"]  # best 4, 2; milestone 3; newest 4, 5
     restarted = manager(accelerator, tmp_path, **kw)  # a new process: retention reads the manifests
     for _ in range(3):
         step()
         restarted.save(state.step, {"metrics": {"train/loss": losses[state.step]}})
+    restarted.wait_for_pruning()
     assert [p.name[-1] for p in restarted.checkpoints()] == ["2", "3", "4", "6", "7", "8"]
     greater = manager(accelerator, tmp_path, save_total_limit=1, keep_best=1, greater_is_better=True)
     greater.prune()
