@@ -11,10 +11,11 @@ RUN_CONFIG ?= recipes/configs/pretrain_tiny.yaml
 ACCEL_CONFIG ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo accelerate_configs/ddp.yaml || echo accelerate_configs/cpu.yaml)
 ARGS ?=
 PORT ?= 5000
+EXPERIMENT ?= pretrain_clm
 MLFLOW_DB := sqlite:///$(CURDIR)/mlflow.db
 
 .DEFAULT_GOAL := help
-.PHONY: help setup data train test test-all ui bench lint format clean
+.PHONY: help setup data train test test-all ui compare bench lint format clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -41,6 +42,9 @@ test-all: setup  ## run every test, slow ones too
 
 ui: setup  ## serve the MLflow UI for this repository's runs on http://127.0.0.1:5000 (PORT= to change)
 	$(BIN)/mlflow ui --backend-store-uri $(MLFLOW_DB) --default-artifact-root $(CURDIR)/mlruns --host 127.0.0.1 --port $(PORT)
+
+compare: setup  ## table of an experiment's runs and a PNG of their loss curves (EXPERIMENT=pretrain_clm)
+	MLFLOW_TRACKING_URI=$(MLFLOW_DB) $(BIN)/python -m infra.compare --experiment $(EXPERIMENT) --output runs/compare_$(EXPERIMENT).png
 
 bench: data  ## benchmarks, as ratios to anchors measured in the same run (data, checkpoints, recipe overhead)
 	$(BIN)/python benchmarks/data_pipeline.py

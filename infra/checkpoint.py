@@ -29,12 +29,10 @@ import math
 import os
 import shutil
 import signal
-import subprocess
 import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +41,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list
 
 from infra.config import to_json
+from infra.environment import git_state, package_versions
 from infra.files import atomic_write_text, fsync_dir, fsync_file
 
 log = logging.getLogger(__name__)
@@ -386,25 +385,15 @@ class SaveSchedule:
 
 def environment_facts(accelerator: Accelerator) -> dict[str, Any]:
     """What a checkpoint records about the job that wrote it."""
-    versions = {}
-    for package in ("torch", "accelerate", "transformers", "deepspeed", "datasets"):
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            versions[package] = metadata.version(package)
+    commit, dirty = git_state()
     return {
         "world_size": accelerator.num_processes,
         "distributed_type": accelerator.distributed_type.value,
         "mixed_precision": accelerator.mixed_precision,
-        "versions": versions,
-        "git_commit": git_commit(),
+        "versions": package_versions(),
+        "git_commit": commit,
+        "git_dirty": dirty,
     }
-
-
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
 
 
 def write_model_card(folder: str | os.PathLike, recipe: str, config: dict, metrics: dict[str, Any]) -> None:

@@ -3,18 +3,27 @@
 The store is `MLFLOW_TRACKING_URI` when set, else `sqlite:///<repo>/mlflow.db`; with any sqlite
 store, artifacts go to `mlruns/` beside the database. Only the main process talks to MLflow
 (accelerate's trackers are main-process only). The run id is kept in every checkpoint so a
-resumed job continues the same run.
+resumed job continues the same run; its status ends FINISHED, KILLED (preempted, interrupted) or
+FAILED (an exception). Nothing that looks like a secret reaches the store.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import socket
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import yaml
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 
 from infra.config import flatten
+from infra.environment import environment_report, git_state, package_versions
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_URI = f"sqlite:///{REPO / 'mlflow.db'}"
@@ -56,9 +65,136 @@ def start_run(
     uri = tracking_uri()
     accelerator.init_trackers(
         experiment,
-        config=None if run_id else flatten(config),
+        config=None if run_id else safe_params(config),
         init_kwargs={"mlflow": {"run_name": run_name, "run_id": run_id, "tags": tags, "logging_dir": artifact_dir(uri)}},
     )
     if not accelerator.is_main_process:
         return None
+    if run_id is None:
+        log_run_artifacts(accelerator, config)
     return accelerator.get_tracker("mlflow", unwrap=True).info.run_id
+
+
+# Parameter names that hold credentials, values shaped like well-known tokens, and the environment
+# variables whose values must never appear anywhere in a run.
+SECRET_NAME = re.compile(
+    r"(^|[._])(token|hub_token|auth_token|access_token|api_key|apikey|password|passwd|secret|secret_key|access_key|private_key"
+    r"|credentials?)$",
+    re.I,
+)
+SECRET_VALUE = re.compile(
+    r"\b(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|AKIA[0-9A-Z]{16}|xox[abprs]-[A-Za-z0-9-]{10,})\b"
+)
+SECRET_ENV = (
+    "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN",
+    "MLFLOW_TRACKING_TOKEN",
+    "MLFLOW_TRACKING_PASSWORD",
+    "WANDB_API_KEY",
+    "AWS_SECRET_ACCESS_KEY",
+    "OPENAI_API_KEY",
+    "GITHUB_TOKEN",
+)
+REDACTED = "[redacted]"
+TRUNCATED = "...[truncated; full value in the config.yaml artifact]"
+MAX_PARAM_LENGTH = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH
+
+
+def redact(name: str, value: Any) -> Any:
+    """`value`, or REDACTED when its name or its text looks like a credential."""
+    text = str(value)
+    secrets = [os.environ[k] for k in SECRET_ENV if len(os.environ.get(k, "")) >= 8]
+    if (SECRET_NAME.search(name) and value not in (None, "")) or SECRET_VALUE.search(text) or any(s in text for s in secrets):
+        return REDACTED
+    return value
+
+
+def redacted_config(config: dict, prefix: str = "") -> dict:
+    return {k: redacted_config(v, f"{prefix}{k}.") if isinstance(v, dict) else redact(f"{prefix}{k}", v) for k, v in config.items()}
+
+
+def safe_params(config: dict) -> dict[str, str]:
+    """The config flattened to dotted names, secrets redacted, values cut to MLflow's limit with a marker."""
+    params = {}
+    for name, value in flatten(redacted_config(config)).items():
+        text = str(value)
+        params[name] = text if len(text) <= MAX_PARAM_LENGTH else text[: MAX_PARAM_LENGTH - len(TRUNCATED)] + TRUNCATED
+    return params
+
+
+def launcher_config_file() -> Path | None:
+    """The `--config_file` given to `accelerate launch`, read from the launcher's command line."""
+    try:
+        import psutil
+
+        for proc in psutil.Process().parents()[:3]:
+            args = proc.cmdline()
+            if "--config_file" in args[:-1]:
+                return Path(proc.cwd()) / args[args.index("--config_file") + 1]
+    except Exception:  # no launcher, or a process we may not inspect
+        return None
+    return None
+
+
+def run_tags(accelerator: Accelerator, recipe: str, resumed_from_step: int) -> dict[str, str]:
+    """What runs are filtered and grouped by in the UI."""
+    world = accelerator.num_processes
+    commit, dirty = git_state()
+    config_file = launcher_config_file()
+    tags = {
+        "recipe": recipe,
+        "accelerate_config": config_file.name if config_file else "none",
+        "distributed_type": accelerator.distributed_type.value,
+        "world_size": str(world),
+        "num_nodes": str(max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", world)))),
+        "mixed_precision": str(accelerator.mixed_precision),
+        "git_commit": commit or "unknown",
+        "git_dirty": str(dirty).lower() if dirty is not None else "unknown",
+        "host": socket.gethostname(),
+        "resumed_from_step": str(resumed_from_step),
+    }
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        tags["zero_stage"] = str(accelerator.state.deepspeed_plugin.zero_stage)
+    tags.update({f"version.{package}": version for package, version in package_versions().items()})
+    return tags
+
+
+def log_run_artifacts(accelerator: Accelerator, config: dict) -> None:
+    """On a new run: the resolved config (redacted), the launcher and DeepSpeed configs, the environment."""
+    if not accelerator.is_main_process:
+        return
+    import mlflow
+
+    mlflow.log_text(yaml.safe_dump(redacted_config(config), sort_keys=False), "config.yaml")
+    mlflow.log_text(environment_report(), "environment.txt")
+    if (config_file := launcher_config_file()) is not None and config_file.is_file():
+        mlflow.log_text(config_file.read_text(), f"accelerate_config/{config_file.name}")
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        mlflow.log_dict(accelerator.state.deepspeed_plugin.deepspeed_config, "deepspeed_config.json")
+
+
+def end_run(status: str) -> None:
+    """End the active MLflow run of this process (if any) with `status`: FINISHED, KILLED or FAILED."""
+    if "mlflow" not in sys.modules:
+        return
+    import mlflow
+
+    if mlflow.active_run() is not None:
+        mlflow.end_run(status=status)
+
+
+@contextlib.contextmanager
+def run_status() -> Iterator[None]:
+    """Wrap a recipe's main(): an exception ends its run FAILED, Ctrl-C ends it KILLED."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        end_run("KILLED")
+        raise
+    except SystemExit as exit_:
+        if exit_.code not in (None, 0):
+            end_run("FAILED")
+        raise
+    except BaseException:
+        end_run("FAILED")
+        raise

@@ -34,7 +34,7 @@ from infra.data import DataCursor, PackedDataset, ResumableLoader, SampleTrace, 
 from infra.distributed import build_accelerator
 from infra.health import check_replicas_in_sync
 from infra.metrics import Throughput
-from infra.tracking import run_name_for, start_run
+from infra.tracking import end_run, run_name_for, run_status, run_tags, start_run
 
 
 @dataclass
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
             run_name_for(config, args),
             config,
             run_id=manifest.get("mlflow_run_id"),
-            tags={"recipe": "pretrain_clm", "resumed_from_step": str(state.step)},
+            tags=run_tags(accelerator, "pretrain_clm", state.step),
         )
     accelerator.print(
         f"world size {accelerator.num_processes} ({accelerator.distributed_type.value}), "
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
         trace.close()
     if preempted:
         accelerator.print(f"preempted (SIGTERM/SIGUSR1): saved step {state.step}; the next launch resumes from it")
-        accelerator.end_training()
+        end_run("KILLED")
         return
     check_replicas_in_sync(accelerator, model)
 
@@ -274,4 +274,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with run_status():  # an exception marks the MLflow run FAILED
+        main()

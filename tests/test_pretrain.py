@@ -131,6 +131,19 @@ def test_two_processes_train_as_one_job(straight, small_data):
     (run,) = client.search_runs([client.get_experiment_by_name("pretrain_clm").experiment_id])
     assert run.info.status == "FINISHED"
     assert run.data.params["TrainingArguments.max_steps"] == str(2 * STEPS)
+    tags = run.data.tags
+    assert {k: tags[k] for k in ("recipe", "accelerate_config", "distributed_type", "world_size", "num_nodes", "mixed_precision")} == {
+        "recipe": "pretrain_clm",
+        "accelerate_config": "cpu.yaml",
+        "distributed_type": "MULTI_CPU",
+        "world_size": "2",
+        "num_nodes": "1",
+        "mixed_precision": "bf16",
+    }
+    assert len(tags["git_commit"]) == 40 and tags["git_dirty"] in ("true", "false") and tags["version.torch"]
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "environment.txt", "accelerate_config"} <= artifacts
+    assert "learning_rate: 0.01" in mlflow.artifacts.load_text(f"{run.info.artifact_uri}/config.yaml")
     losses = [m.value for m in client.get_metric_history(run.info.run_id, "train/loss")]
     assert len(losses) == STEPS and losses[-1] < losses[0]
     # the exported model loads with from_pretrained
@@ -275,7 +288,7 @@ def test_sigterm_saves_exits_zero_and_resumes_exactly(small_data, tmp_path):
 
     long_run = ["--warmup_steps", "100000"]  # the schedule then does not depend on max_steps
     a, b = tmp_path / "a", tmp_path / "b"
-    proc = start(recipe_args(small_data, a / "out", 100000, "--report_to", "none", *long_run), a)
+    proc = start(recipe_args(small_data, a / "out", 100000, *long_run), a)
     wait_for(lambda: (a / "out" / "checkpoints" / "step_00000004" / "manifest.json").exists(), proc)
     workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "pretrain_clm.py" in " ".join(p.cmdline())]
     assert len(workers) == 2
@@ -286,7 +299,14 @@ def test_sigterm_saves_exits_zero_and_resumes_exactly(small_data, tmp_path):
     assert saved > 4 and not (a / "out" / "final").exists()
 
     end = saved + 4
-    resumed = launch("cpu.yaml", recipe_args(small_data, a / "out", end, "--report_to", "none", *long_run), a)
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{a / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("pretrain_clm").experiment_id])
+    assert run.info.status == "KILLED"
+    resumed = launch("cpu.yaml", recipe_args(small_data, a / "out", end, *long_run), a)
     assert resumed.returncode == 0 and f"resumed at step {saved}" in resumed.stdout
+    (run,) = client.search_runs([client.get_experiment_by_name("pretrain_clm").experiment_id])  # the same run, finished
+    assert run.info.status == "FINISHED"
     assert launch("cpu.yaml", recipe_args(small_data, b / "out", end, "--report_to", "none", *long_run), b).returncode == 0
     assert_same_weights(a / "out", b / "out")

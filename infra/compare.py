@@ -1,0 +1,104 @@
+"""Compare the runs of an experiment without a browser: a table on stdout and a PNG of the loss curves.
+
+make compare                                    # experiment pretrain_clm, store as `make ui` serves it
+python -m infra.compare --experiment pretrain_clm --metric train/loss --output runs/compare.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from infra.tracking import tracking_uri
+
+COLUMNS = (
+    ("run", 28),
+    ("status", 9),
+    ("learning_rate", 13),
+    ("batch", 7),
+    ("steps", 7),
+    ("final loss", 10),
+    ("tokens/s", 10),
+    ("run id", 8),
+)
+
+
+def _param(run, name: str) -> str:
+    return next((v for k, v in run.data.params.items() if k.endswith("." + name)), "-")
+
+
+def rows(client, runs, metric: str) -> list[tuple[str, ...]]:
+    out = []
+    for run in runs:
+        last = run.data.metrics
+        loss = last.get(metric)
+        rate = last.get("perf/tokens_per_second")
+        batch = f"{_param(run, 'per_device_train_batch_size')}x{_param(run, 'gradient_accumulation_steps')}"
+        out.append(
+            (
+                run.info.run_name or "-",
+                run.info.status,
+                _param(run, "learning_rate"),
+                batch,
+                _param(run, "max_steps"),
+                f"{loss:.4f}" if loss is not None else "-",
+                f"{rate:,.0f}" if rate is not None else "-",
+                run.info.run_id[:8],
+            )
+        )
+    return out
+
+
+def table(lines: list[tuple[str, ...]]) -> str:
+    header = "  ".join(name.ljust(width) for name, width in COLUMNS)
+    body = ["  ".join(str(cell)[:width].ljust(width) for cell, (_, width) in zip(line, COLUMNS, strict=True)) for line in lines]
+    return "\n".join([header, "-" * len(header), *body])
+
+
+def plot(client, runs, metric: str, output: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    for run in runs:
+        history = sorted(client.get_metric_history(run.info.run_id, metric), key=lambda m: m.step)
+        ax.plot([m.step for m in history], [m.value for m in history], label=run.info.run_name or run.info.run_id[:8])
+    ax.set_xlabel("step")
+    ax.set_ylabel(metric)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(output.name + ".tmp.png")
+    fig.savefig(tmp, bbox_inches="tight")
+    plt.close(fig)
+    tmp.replace(output)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--experiment", default="pretrain_clm", help="MLflow experiment name")
+    parser.add_argument("--metric", default="train/loss", help="metric for the last column and the plot")
+    parser.add_argument("--output", default="runs/compare.png", help="where the PNG goes")
+    args = parser.parse_args(argv)
+
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri())
+    experiment = client.get_experiment_by_name(args.experiment)
+    if experiment is None:
+        names = sorted(e.name for e in client.search_experiments())
+        print(f"compare error: experiment={args.experiment!r} is not in {tracking_uri()}; it has {names}", file=sys.stderr)
+        raise SystemExit(2)
+    runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
+    print(f"{len(runs)} runs of experiment {args.experiment!r} in {tracking_uri()}\n")
+    print(table(rows(client, runs, args.metric)))
+    if runs:
+        plot(client, runs, args.metric, Path(args.output))
+        print(f"\n{args.metric} curves: {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Tracking: what reaches MLflow (no secrets, within limits), how runs end, and `make compare`."""
+
+from __future__ import annotations
+
+import mlflow
+import pytest
+
+from infra.compare import main as compare
+from infra.tracking import MAX_PARAM_LENGTH, REDACTED, TRUNCATED, end_run, run_status, safe_params
+
+
+def test_secrets_never_become_params_and_long_values_are_cut(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "my-private-hub-credential")
+    config = {
+        "ModelArguments": {"model_name_or_path": "org/model", "hub_token": "abc", "tokenizer": "gpt2"},
+        "DataArguments": {"source": "s3://bucket/data?sig=my-private-hub-credential", "note": "key hf_" + "a" * 30},
+        "TrainingArguments": {"learning_rate": 0.001, "api_key": None, "run_name": "x" * 7000, "max_tokens": 5},
+    }
+    params = safe_params(config)
+    assert params["ModelArguments.hub_token"] == REDACTED  # by its name
+    assert params["DataArguments.source"] == REDACTED  # holds the value of a known secret variable
+    assert params["DataArguments.note"] == REDACTED  # shaped like a hub token
+    assert params["ModelArguments.tokenizer"] == "gpt2" and params["TrainingArguments.max_tokens"] == "5"
+    assert params["TrainingArguments.api_key"] == "None"  # nothing to hide
+    assert params["ModelArguments.model_name_or_path"] == "org/model" and params["TrainingArguments.learning_rate"] == "0.001"
+    long = params["TrainingArguments.run_name"]
+    assert len(long) == MAX_PARAM_LENGTH and long.endswith(TRUNCATED)
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    mlflow.set_tracking_uri(uri)
+    yield uri
+    mlflow.set_tracking_uri(None)
+
+
+@pytest.mark.parametrize(
+    ("error", "status"), [(RuntimeError("boom"), "FAILED"), (KeyboardInterrupt(), "KILLED"), (SystemExit("config error"), "FAILED")]
+)
+def test_a_crash_ends_the_run_failed_and_an_interrupt_killed(store, error, status):
+    run = mlflow.start_run()
+    with pytest.raises(type(error)), run_status():
+        raise error
+    assert mlflow.active_run() is None
+    assert mlflow.MlflowClient(store).get_run(run.info.run_id).info.status == status
+
+
+def test_a_normal_exit_leaves_the_run_to_finish(store):
+    run = mlflow.start_run()
+    with pytest.raises(SystemExit), run_status():
+        raise SystemExit(0)
+    assert mlflow.active_run().info.run_id == run.info.run_id
+    end_run("FINISHED")
+    assert mlflow.MlflowClient(store).get_run(run.info.run_id).info.status == "FINISHED"
+
+
+def test_compare_prints_a_table_and_plots_the_curves(store, tmp_path, capsys):
+    client = mlflow.MlflowClient(store)
+    experiment = client.create_experiment("pretrain_clm")
+    for name, lr, losses in (("lr0.01", "0.01", [5.0, 4.0, 3.5]), ("lr0.001", "0.001", [5.0, 4.8, 4.6])):
+        run = client.create_run(experiment, run_name=name)
+        client.log_param(run.info.run_id, "TrainingArguments.learning_rate", lr)
+        client.log_param(run.info.run_id, "TrainingArguments.max_steps", "30")
+        for step, loss in enumerate(losses, 1):
+            client.log_metric(run.info.run_id, "train/loss", loss, step=step * 10)
+        client.log_metric(run.info.run_id, "perf/tokens_per_second", 12345.0, step=30)
+        client.set_terminated(run.info.run_id, "FINISHED")
+    png = tmp_path / "compare.png"
+    compare(["--experiment", "pretrain_clm", "--output", str(png)])
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("lr0.")}
+    assert lines["lr0.01"][1:3] == ["FINISHED", "0.01"] and "3.5000" in lines["lr0.01"] and "12,345" in lines["lr0.01"]
+    assert lines["lr0.001"][2] == "0.001" and "4.6000" in lines["lr0.001"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit) as exit_:
+        compare(["--experiment", "nope", "--output", str(png)])
+    assert exit_.value.code == 2 and "experiment='nope' is not in" in capsys.readouterr().err
