@@ -63,6 +63,7 @@ def start_run(
     and a resume may legitimately change one (a longer `max_steps`, say).
     """
     uri = tracking_uri()
+    os.environ.setdefault("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "true")  # CPU, memory, disk, GPU: MLflow's own sampler
     accelerator.init_trackers(
         experiment,
         config=None if run_id else safe_params(config),

@@ -208,7 +208,9 @@ def main(argv: list[str] | None = None) -> None:
     preempted = False
     while state.step < args.max_steps:
         for _ in range(args.gradient_accumulation_steps):
+            waiting = time.perf_counter()
             batch = next(batches).to(accelerator.device, non_blocking=True)
+            meter.waited(time.perf_counter() - waiting)
             if trace:
                 trace.write(state.step + 1, loader.last_sample_ids)
             with accelerator.accumulate(model):

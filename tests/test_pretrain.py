@@ -144,6 +144,9 @@ def test_two_processes_train_as_one_job(straight, small_data):
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.yaml", "environment.txt", "accelerate_config"} <= artifacts
     assert "learning_rate: 0.01" in mlflow.artifacts.load_text(f"{run.info.artifact_uri}/config.yaml")
+    assert {"train/learning_rate", "train/grad_norm", "perf/tokens_per_second", "perf/data_wait", "checkpoint/save_seconds"} <= set(
+        run.data.metrics
+    )
     losses = [m.value for m in client.get_metric_history(run.info.run_id, "train/loss")]
     assert len(losses) == STEPS and losses[-1] < losses[0]
     # the exported model loads with from_pretrained
