@@ -10,10 +10,13 @@ FAILED (an exception). Nothing that looks like a secret reaches the store.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import socket
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -64,16 +67,107 @@ def start_run(
     """
     uri = tracking_uri()
     os.environ.setdefault("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "true")  # CPU, memory, disk, GPU: MLflow's own sampler
-    accelerator.init_trackers(
-        experiment,
-        config=None if run_id else safe_params(config),
-        init_kwargs={"mlflow": {"run_name": run_name, "run_id": run_id, "tags": tags, "logging_dir": artifact_dir(uri)}},
-    )
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")  # a dead server is noticed in seconds, not minutes
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+
+    def init(uri: str, run_id: str | None) -> None:
+        accelerator.init_trackers(
+            experiment,
+            config=None if run_id else safe_params(config),
+            init_kwargs={"mlflow": {"run_name": run_name, "run_id": run_id, "tags": tags, "logging_dir": artifact_dir(uri)}},
+        )
+
+    try:
+        init(uri, run_id)
+    except Exception as err:  # only the main process talks to MLflow, so only it can get here
+        if uri == DEFAULT_URI:
+            raise
+        print(f"warning: tracking store {uri} unreachable ({type(err).__name__}); this run logs to {DEFAULT_URI} instead", flush=True)
+        import mlflow
+
+        os.environ["MLFLOW_TRACKING_URI"] = DEFAULT_URI
+        mlflow.set_tracking_uri(DEFAULT_URI)
+        accelerator.trackers = []
+        init(DEFAULT_URI, None)
     if not accelerator.is_main_process:
         return None
-    if run_id is None:
+    if run_id is None or tracking_uri() != uri:
         log_run_artifacts(accelerator, config)
     return accelerator.get_tracker("mlflow", unwrap=True).info.run_id
+
+
+class MetricLogger:
+    """Sends metrics to the run from a background thread: the training loop never waits for the store.
+
+    When the store cannot be reached, points stay buffered in order and are retried every
+    `retry_seconds`, with one warning when the outage starts and one line when it ends. `close()`
+    waits up to `timeout` seconds for the rest; whatever is still unsent is written to
+    `fallback` (JSON lines: key, value, step, timestamp) so nothing is lost. Main process only.
+    """
+
+    def __init__(self, run_id: str | None, fallback: str | os.PathLike, retry_seconds: float = 5.0):
+        self.run_id, self.fallback, self.retry_seconds = run_id, Path(fallback), retry_seconds
+        self._pending: list = []
+        self._cond = threading.Condition()
+        self._closing = False
+        self._down_since: float | None = None
+        self._thread = None
+        if run_id is not None:
+            self._thread = threading.Thread(target=self._send_loop, name="mlflow-metrics", daemon=True)
+            self._thread.start()
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if self._thread is None:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        with self._cond:
+            self._pending.extend(Metric(key, float(value), now, step) for key, value in metrics.items())
+            self._cond.notify()
+
+    def _send_loop(self) -> None:
+        import mlflow
+
+        client = mlflow.MlflowClient(tracking_uri())
+        while True:
+            with self._cond:
+                while not self._pending and not self._closing:
+                    self._cond.wait()
+                if not self._pending:
+                    return
+                batch = self._pending[:1000]  # MLflow's log_batch limit
+            try:
+                client.log_batch(self.run_id, metrics=batch, synchronous=True)
+            except Exception as err:
+                if self._down_since is None:
+                    self._down_since = time.monotonic()
+                    print(f"warning: tracking store unreachable ({type(err).__name__}); training goes on, metrics are buffered", flush=True)
+                with self._cond:
+                    self._cond.wait(self.retry_seconds)
+                continue
+            with self._cond:
+                del self._pending[: len(batch)]
+            if self._down_since is not None:
+                print(f"tracking store reachable again after {time.monotonic() - self._down_since:.0f}s; buffered metrics sent", flush=True)
+                self._down_since = None
+
+    def close(self, timeout: float = 120.0) -> None:
+        if self._thread is None:
+            return
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join(timeout)
+        with self._cond:
+            unsent, self._pending = self._pending, []
+        if unsent:
+            self.fallback.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.fallback, "a") as f:
+                for m in unsent:
+                    f.write(json.dumps({"key": m.key, "value": m.value, "step": m.step, "timestamp": m.timestamp}) + "\n")
+            print(f"warning: {len(unsent)} metric points could not reach the tracking store; they are in {self.fallback}", flush=True)
+        self._thread = None
 
 
 # Parameter names that hold credentials, values shaped like well-known tokens, and the environment
@@ -181,7 +275,10 @@ def end_run(status: str) -> None:
     import mlflow
 
     if mlflow.active_run() is not None:
-        mlflow.end_run(status=status)
+        try:
+            mlflow.end_run(status=status)
+        except Exception as err:  # the store is down: the run keeps its last status, training is not failed for it
+            print(f"warning: could not mark the MLflow run {status} ({type(err).__name__})", flush=True)
 
 
 @contextlib.contextmanager

@@ -34,7 +34,7 @@ from infra.data import DataCursor, PackedDataset, ResumableLoader, SampleTrace, 
 from infra.distributed import build_accelerator
 from infra.health import check_replicas_in_sync
 from infra.metrics import Throughput
-from infra.tracking import end_run, run_name_for, run_status, run_tags, start_run
+from infra.tracking import MetricLogger, end_run, run_name_for, run_status, run_tags, start_run
 
 
 @dataclass
@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
             run_id=manifest.get("mlflow_run_id"),
             tags=run_tags(accelerator, "pretrain_clm", state.step),
         )
+    tracker = MetricLogger(run_id, f"{args.output_dir}/unsent_metrics.jsonl")
     accelerator.print(
         f"world size {accelerator.num_processes} ({accelerator.distributed_type.value}), "
         f"{'resumed at step ' + str(state.step) + ' from ' + str(resume) if resume else 'starting fresh'}, {cursor}"
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
         seconds = time.perf_counter() - start
         if (minutes := schedule.saved(seconds)) is not None:
             accelerator.print(f"a save takes {seconds:.1f}s: saving every {minutes:.1f} min (Young/Daly, MTBF {args.mtbf_hours:g} h)")
-        accelerator.log({"checkpoint/save_seconds": seconds, "checkpoint/interval_minutes": schedule.interval / 60}, step=state.step)
+        tracker.log({"checkpoint/save_seconds": seconds, "checkpoint/interval_minutes": schedule.interval / 60}, step=state.step)
 
     # Training loop
     tokens_per_step = loader.global_batch_size * args.gradient_accumulation_steps * dataset.seq_len
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
                 metrics["train/grad_norm"] = float(grad_norm)
             if not math.isfinite(mean_loss):
                 accelerator.print(f"warning: non-finite loss {mean_loss} at step {state.step}")
-            accelerator.log(metrics, step=state.step)
+            tracker.log(metrics, step=state.step)
             bar.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{metrics['perf/tokens_per_second']:.0f}")
         save_now, preempted = schedule.check(state.step)  # the same answer on every rank
         if save_now or state.step == args.max_steps:
@@ -255,6 +256,7 @@ def main(argv: list[str] | None = None) -> None:
         trace.close()
     if preempted:
         accelerator.print(f"preempted (SIGTERM/SIGUSR1): saved step {state.step}; the next launch resumes from it")
+        tracker.close()
         end_run("KILLED")
         return
     check_replicas_in_sync(accelerator, model)
@@ -272,6 +274,8 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer.save_pretrained(final)
         write_model_card(final, "pretrain_clm", config, {"step": state.step, "tokens_seen": state.tokens_seen, **metrics})
     accelerator.print(f"done: step {state.step}, {state.tokens_seen} tokens; model exported to {final}")
+    tracker.close()
+    end_run("FINISHED")
     accelerator.end_training()
 
 

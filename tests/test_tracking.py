@@ -77,3 +77,66 @@ def test_compare_prints_a_table_and_plots_the_curves(store, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         compare(["--experiment", "nope", "--output", str(png)])
     assert exit_.value.code == 2 and "experiment='nope' is not in" in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+def test_a_tracking_server_outage_delays_metrics_but_loses_none(small_data, tmp_path):
+    """A real `mlflow server`, killed while the recipe runs and started again: one run, every point, one warning."""
+    import os
+    import signal
+    import subprocess
+    import time
+    import urllib.request
+
+    from tests.conftest import BIN, REPO, free_port, launch_command
+    from tests.test_pretrain import recipe_args
+
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    server_cmd = [str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}"]
+    server_cmd += ["--default-artifact-root", str(tmp_path / "artifacts"), "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+
+    def serve() -> subprocess.Popen:
+        server = subprocess.Popen(server_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                if urllib.request.urlopen(f"{uri}/health", timeout=2).status == 200:
+                    return server
+            except OSError:
+                time.sleep(0.3)
+        raise AssertionError("mlflow server did not come up")
+
+    server = serve()
+    steps = 200
+    cmd, env = launch_command("cpu.yaml", recipe_args(small_data, tmp_path / "out", steps, "--save_steps", "100"), tmp_path)
+    log = tmp_path / "launch.log"
+    with open(log, "w") as f:
+        run = subprocess.Popen(cmd, cwd=REPO, env={**env, "MLFLOW_TRACKING_URI": uri}, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        client = mlflow.MlflowClient(uri)
+        deadline = time.monotonic() + 300
+        while True:  # until the run has logged a few points
+            assert run.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            experiment = client.get_experiment_by_name("pretrain_clm")
+            found = client.search_runs([experiment.experiment_id]) if experiment else []
+            if found and len(client.get_metric_history(found[0].info.run_id, "train/loss")) >= 2:
+                break
+            time.sleep(0.2)
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+        assert run.poll() is None  # the recipe keeps logging into the outage
+        time.sleep(3)
+        server = serve()
+        assert run.wait(timeout=300) == 0, log.read_text()[-3000:]
+        output = log.read_text()
+        (found,) = client.search_runs([client.get_experiment_by_name("pretrain_clm").experiment_id])
+        assert found.info.status == "FINISHED"
+        history = client.get_metric_history(found.info.run_id, "train/loss")
+        assert sorted(m.step for m in history) == list(range(2, steps + 1, 2))  # none lost, none twice
+        assert output.count("warning: tracking store unreachable") == 1  # one line for the outage, not one per step
+        assert "tracking store reachable again" in output
+        assert not (tmp_path / "out" / "unsent_metrics.jsonl").exists()
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        run.kill()
