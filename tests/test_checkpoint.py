@@ -157,3 +157,13 @@ def test_the_preemption_watchdog_ends_a_process_that_does_not_exit(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "no clean exit within preemption_grace_seconds=0.5" in proc.stdout  # not 0 after the sleep
+
+
+def test_a_zero_checkpoint_from_another_world_size_is_refused(accelerator, trainer, tmp_path):
+    _, state, step = trainer
+    checkpoints = manager(accelerator, tmp_path)
+    step()
+    checkpoints.save(state.step, {"distributed_type": "DEEPSPEED", "world_size": 8})  # as 8 ZeRO ranks would write it
+    with pytest.raises(CheckpointError, match=r"written by 8 DEEPSPEED processes and this run is 1 NO: ZeRO checkpoints are sharded"):
+        checkpoints.resume("auto")
+    assert checkpoints.path(1).exists()  # refused, not thrown away
