@@ -27,6 +27,7 @@ from accelerate.utils import DistributedType
 
 from infra.config import flatten
 from infra.environment import environment_report, git_state, package_versions
+from infra.files import atomic_write_text
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_URI = f"sqlite:///{REPO / 'mlflow.db'}"
@@ -57,14 +58,21 @@ def start_run(
     experiment: str,
     run_name: str,
     config: dict[str, dict[str, Any]],
+    output_dir: str | os.PathLike,
     run_id: str | None = None,
     tags: dict[str, str] | None = None,
+    restart: bool = True,
 ) -> str | None:
-    """Start (or, given `run_id`, continue) the MLflow run; returns its id on the main process.
+    """Start (or continue) the MLflow run; returns its id on the main process.
 
-    Parameters are logged once, when the run is created: MLflow refuses to change a parameter,
-    and a resume may legitimately change one (a longer `max_steps`, say).
+    The run continues `run_id` (from the checkpoint resumed), else, when `restart`, the run this
+    output_dir last started (a job killed before its first checkpoint is still one run). Its id is
+    kept in OUTPUT_DIR/mlflow_run_id. Parameters are logged once, when the run is created: MLflow
+    refuses to change a parameter, and a resume may legitimately change one (a longer `max_steps`).
     """
+    remembered = Path(output_dir) / "mlflow_run_id"
+    if run_id is None and restart and remembered.is_file():
+        run_id = remembered.read_text().strip() or None
     uri = tracking_uri()
     os.environ.setdefault("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "true")  # CPU, memory, disk, GPU: MLflow's own sampler
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")  # a dead server is noticed in seconds, not minutes
@@ -77,23 +85,46 @@ def start_run(
             init_kwargs={"mlflow": {"run_name": run_name, "run_id": run_id, "tags": tags, "logging_dir": artifact_dir(uri)}},
         )
 
+    created = run_id is None
     try:
         init(uri, run_id)
     except Exception as err:  # only the main process talks to MLflow, so only it can get here
-        if uri == DEFAULT_URI:
-            raise
-        print(f"warning: tracking store {uri} unreachable ({type(err).__name__}); this run logs to {DEFAULT_URI} instead", flush=True)
         import mlflow
 
-        os.environ["MLFLOW_TRACKING_URI"] = DEFAULT_URI
-        mlflow.set_tracking_uri(DEFAULT_URI)
         accelerator.trackers = []
-        init(DEFAULT_URI, None)
+        try:
+            if run_id is None:
+                raise
+            init(uri, None)  # the store is there but no longer has the run: start a new one
+        except Exception:
+            if uri == DEFAULT_URI:
+                raise
+            print(f"warning: tracking store {uri} unreachable ({type(err).__name__}); this run logs to {DEFAULT_URI}", flush=True)
+            os.environ["MLFLOW_TRACKING_URI"] = DEFAULT_URI
+            mlflow.set_tracking_uri(DEFAULT_URI)
+            accelerator.trackers = []
+            init(DEFAULT_URI, None)
+        created = True
     if not accelerator.is_main_process:
         return None
-    if run_id is None or tracking_uri() != uri:
+    if created:
         log_run_artifacts(accelerator, config)
-    return accelerator.get_tracker("mlflow", unwrap=True).info.run_id
+    started = accelerator.get_tracker("mlflow", unwrap=True).info.run_id
+    remembered.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(remembered, started)
+    return started
+
+
+def last_logged_step(run_id: str | None, key: str = "train/loss") -> int:
+    """The highest step of `key` the run already holds (-1 if none, or the store cannot say)."""
+    if run_id is None:
+        return -1
+    import mlflow
+
+    try:
+        return max((m.step for m in mlflow.MlflowClient(tracking_uri()).get_metric_history(run_id, key)), default=-1)
+    except Exception:
+        return -1
 
 
 class MetricLogger:
@@ -105,8 +136,9 @@ class MetricLogger:
     `fallback` (JSON lines: key, value, step, timestamp) so nothing is lost. Main process only.
     """
 
-    def __init__(self, run_id: str | None, fallback: str | os.PathLike, retry_seconds: float = 5.0):
+    def __init__(self, run_id: str | None, fallback: str | os.PathLike, retry_seconds: float = 5.0, logged_through: int = -1):
         self.run_id, self.fallback, self.retry_seconds = run_id, Path(fallback), retry_seconds
+        self.logged_through = logged_through  # steps the run already has (a resume recomputes them bit for bit)
         self._pending: list = []
         self._cond = threading.Condition()
         self._closing = False
@@ -117,7 +149,7 @@ class MetricLogger:
             self._thread.start()
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        if self._thread is None:
+        if self._thread is None or step <= self.logged_through:
             return
         from mlflow.entities import Metric
 

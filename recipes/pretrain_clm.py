@@ -34,7 +34,7 @@ from infra.data import DataCursor, PackedDataset, ResumableLoader, SampleTrace, 
 from infra.distributed import build_accelerator
 from infra.health import check_replicas_in_sync
 from infra.metrics import Throughput
-from infra.tracking import MetricLogger, end_run, run_name_for, run_status, run_tags, start_run
+from infra.tracking import MetricLogger, end_run, last_logged_step, run_name_for, run_status, run_tags, start_run
 
 
 @dataclass
@@ -172,10 +172,13 @@ def main(argv: list[str] | None = None) -> None:
             args.experiment_name or "pretrain_clm",
             run_name_for(config, args),
             config,
+            args.output_dir,
             run_id=manifest.get("mlflow_run_id"),
             tags=run_tags(accelerator, "pretrain_clm", state.step),
+            restart=args.resume_from_checkpoint == "auto",
         )
-    tracker = MetricLogger(run_id, f"{args.output_dir}/unsent_metrics.jsonl")
+    # steps logged after the checkpoint and before a crash come again, identical: not twice in the run
+    tracker = MetricLogger(run_id, f"{args.output_dir}/unsent_metrics.jsonl", logged_through=last_logged_step(run_id))
     accelerator.print(
         f"world size {accelerator.num_processes} ({accelerator.distributed_type.value}), "
         f"{'resumed at step ' + str(state.step) + ' from ' + str(resume) if resume else 'starting fresh'}, {cursor}"

@@ -250,7 +250,7 @@ def wait_for(condition, proc: subprocess.Popen, timeout: float = 300) -> None:
 def test_killed_launches_resume_to_the_same_weights(straight, small_data, tmp_path):
     """kill -9 of the whole launch, once inside a save and once between saves; relaunching ends as the straight run."""
     out, ckpts = tmp_path / "out", tmp_path / "out" / "checkpoints"
-    args = recipe_args(small_data, out, 2 * STEPS, "--report_to", "none")
+    args = recipe_args(small_data, out, 2 * STEPS)
 
     paused = start(args, tmp_path, **{PAUSE_ENV: "60"})  # every save stops between save_state and its commit
     wait_for(lambda: (ckpts / ".step_00000004.partial" / "model.safetensors").exists(), paused)
@@ -269,6 +269,15 @@ def test_killed_launches_resume_to_the_same_weights(straight, small_data, tmp_pa
     assert_same_weights(straight[0] / "out", out)
     for rank in (0, 1):
         assert trace(out, rank) == trace(straight[0] / "out", rank)
+    # one MLflow run across the three launches: every logged step once, FINISHED
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("pretrain_clm").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert [m.step for m in sorted(client.get_metric_history(run.info.run_id, "train/loss"), key=lambda m: m.step)] == list(
+        range(2, 2 * STEPS + 1, 2)
+    )
 
 
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(straight, small_data, tmp_path):
