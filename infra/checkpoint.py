@@ -144,6 +144,16 @@ def _all_ranks_ok(accelerator: Accelerator, ok: bool) -> bool:
     return bool(flag.item())
 
 
+class _Frozen:
+    """Stands in for an optimizer or scheduler whose state was copied: `state_dict()` returns the copy."""
+
+    def __init__(self, state: dict):
+        self._state = state
+
+    def state_dict(self) -> dict:
+        return self._state
+
+
 class CheckpointManager:
     """Save, commit, verify, resume and prune the checkpoints of one output_dir."""
 
@@ -163,7 +173,8 @@ class CheckpointManager:
         self.config = config
         self.save_total_limit, self.keep_best, self.save_milestone_steps = save_total_limit, keep_best, save_milestone_steps
         self.metric, self.greater_is_better = metric_for_best_model, greater_is_better
-        self._pruning: threading.Thread | None = None
+        self._background: threading.Thread | None = None  # a background save, or pruning
+        self._background_error: tuple[int, Exception] | None = None
         if accelerator.is_main_process:
             self.root.mkdir(parents=True, exist_ok=True)
             for leftover in [*self.root.glob(f".{PREFIX}*.partial"), *(p for p in self.checkpoints() if not (p / MANIFEST).is_file())]:
@@ -246,51 +257,125 @@ class CheckpointManager:
             )
         return None
 
-    def save(self, step: int, manifest: dict[str, Any]) -> Path:
+    def save(self, step: int, manifest: dict[str, Any], background: bool = False) -> Path:
         """Save, commit (manifest last, then rename), then prune. Called on every rank.
 
         A failure on any rank (a full disk, say) leaves the earlier checkpoints as they were and
         raises CheckpointError on every rank, instead of leaving the others waiting.
+
+        `background=True` (DDP or one process; DeepSpeed and FSDP save synchronously): the state is
+        copied to CPU memory and every rank's RNG state written now, and rank 0 writes, commits and
+        prunes from a thread while training goes on. The files are those of a synchronous save. A
+        failure there is raised on every rank at the next save.
         """
         final = self.path(step)
         if final.exists():  # this step is already committed (a resume at the final step, say)
             return final
-        work = self.root / f".{PREFIX}{step:08d}.partial"
         acc = self.accelerator
+        self.wait()  # the previous save is committed (or its failure raised on every rank) first
+        work = self.root / f".{PREFIX}{step:08d}.partial"
         if acc.is_main_process:
             shutil.rmtree(work, ignore_errors=True)
         acc.wait_for_everyone()
-        error = None
+        background = background and acc.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+        error, staged = None, None
         try:
-            acc.save_state(str(work))
+            if background:
+                staged = self._stage(work)
+            else:
+                acc.save_state(str(work))
         except Exception as err:  # OSError, and what libraries wrap it in (safetensors raises its own type)
             error = err
         if not _all_ranks_ok(acc, error is None):
             self._give_up(work, step, error)
+        if background:
+            if acc.is_main_process:
+                self._background = threading.Thread(target=self._write_and_commit, args=(work, final, step, manifest, staged))
+                self._background.start()
+            return final
         if pause := float(os.environ.get(PAUSE_ENV, 0)):
             time.sleep(pause)
         if acc.is_main_process:
             try:
-                (work / CONFIG).write_text(to_json(self.config))
-                files = seal(work)
-                atomic_write_text(work / MANIFEST, json.dumps({**manifest, "step": step, "files": files}, indent=2))
-                os.rename(work, final)
-                fsync_dir(self.root)
+                self._commit(work, final, step, manifest)
             except Exception as err:
                 error = err
         if not _all_ranks_ok(acc, error is None):
             self._give_up(work, step, error)
         if acc.is_main_process:  # deleting old checkpoints is not on the training's critical path
-            self.wait_for_pruning()
-            self._pruning = threading.Thread(target=self.prune, name="checkpoint-prune")
-            self._pruning.start()
+            self._background = threading.Thread(target=self.prune, name="checkpoint-prune")
+            self._background.start()
         acc.wait_for_everyone()
         return final
 
-    def wait_for_pruning(self) -> None:
-        if self._pruning is not None:
-            self._pruning.join()
-            self._pruning = None
+    def _commit(self, work: Path, final: Path, step: int, manifest: dict[str, Any]) -> None:
+        (work / CONFIG).write_text(to_json(self.config))
+        files = seal(work)
+        atomic_write_text(work / MANIFEST, json.dumps({**manifest, "step": step, "files": files}, indent=2))
+        os.rename(work, final)
+        fsync_dir(self.root)
+
+    def _stage(self, work: Path):
+        """This rank's RNG state to `work` now; on rank 0, CPU copies of what save_state would write."""
+        from accelerate.checkpointing import save_accelerator_state
+
+        acc = self.accelerator
+        rng = work / f".rng{acc.process_index}"
+        rng.mkdir(parents=True)
+        save_accelerator_state(str(rng), [], [], [], [], acc.process_index, acc.step, acc.scaler)  # writes only RNG files
+        for f in rng.iterdir():
+            os.replace(f, work / f.name)
+        rng.rmdir()
+        if not acc.is_main_process:
+            return None
+        copies: dict[int, torch.Tensor] = {}  # by storage, so tied weights stay tied
+
+        def to_cpu(value):
+            if isinstance(value, torch.Tensor):
+                key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape))
+                if key not in copies:
+                    copies[key] = value.detach().to("cpu", copy=True)
+                return copies[key]
+            if isinstance(value, dict):  # keeps OrderedDict: accelerate de-duplicates tied weights only in one
+                return type(value)((k, to_cpu(v)) for k, v in value.items())
+            if isinstance(value, list | tuple):
+                return type(value)(to_cpu(v) for v in value)
+            return value
+
+        weights = [to_cpu(acc.get_state_dict(m, unwrap=False)) for m in acc._models]
+        optimizers = [_Frozen(to_cpu(o.state_dict())) for o in acc._optimizers]
+        schedulers = [_Frozen(to_cpu(s.state_dict())) for s in acc._schedulers]
+        return weights, optimizers, schedulers
+
+    def _write_and_commit(self, work: Path, final: Path, step: int, manifest: dict[str, Any], staged) -> None:
+        from accelerate.checkpointing import RNG_STATE_NAME, save_accelerator_state
+
+        acc = self.accelerator
+        try:
+            weights, optimizers, schedulers = staged
+            rng = work / f"{RNG_STATE_NAME}_{acc.process_index}.pkl"
+            kept = rng.read_bytes()  # save_accelerator_state writes the RNG as it is now: put back the staged one
+            save_accelerator_state(str(work), weights, optimizers, schedulers, [], acc.process_index, acc.step, None)
+            rng.write_bytes(kept)
+            self._commit(work, final, step, manifest)
+            self.prune()
+        except Exception as err:
+            shutil.rmtree(work, ignore_errors=True)
+            self._background_error = (step, err)
+
+    def wait(self) -> None:
+        """Let a background save or prune finish; raise (on every rank) if a background save failed."""
+        if self._background is not None:
+            self._background.join()
+            self._background = None
+        failed = self._background_error
+        self._background_error = None
+        if not _all_ranks_ok(self.accelerator, failed is None):
+            step, err = failed if failed else (None, None)
+            raise CheckpointError(
+                f"the background save of step {step} failed ({err}); the earlier checkpoints are intact: "
+                f"{', '.join(p.name for p in self.checkpoints()) or 'none'}"
+            )
 
     def _give_up(self, work: Path, step: int, error: Exception | None) -> None:
         if self.accelerator.is_main_process:

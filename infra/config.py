@@ -65,6 +65,12 @@ class TrainingArguments:
     metric_for_best_model: str = field(default="train/loss", metadata={"help": "Logged metric that ranks checkpoints for keep_best."})
     greater_is_better: bool = field(default=False, metadata={"help": "Whether a larger metric_for_best_model is better."})
     save_milestone_steps: int = field(default=0, metadata={"help": "Keep every checkpoint whose step is a multiple of N forever (0: off)."})
+    async_save: bool = field(
+        default=False,
+        metadata={
+            "help": "DDP: copy the state to CPU memory and write it from a thread while training goes on (final saves stay synchronous)."
+        },
+    )
     verify_checksums: bool = field(
         default=True, metadata={"help": "Check every file's checksum before resuming (sizes are always checked)."}
     )

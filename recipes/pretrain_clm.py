@@ -188,13 +188,13 @@ def main(argv: list[str] | None = None) -> None:
 
     metrics: dict[str, float] = manifest.get("metrics", {})
 
-    def save() -> None:
+    def save(last: bool = False) -> None:
         if trace:
             trace.flush()
         start = time.perf_counter()
         facts = {"tokens_seen": state.tokens_seen, "cursor": cursor.state_dict(), "metrics": metrics, "mlflow_run_id": run_id}
         try:
-            checkpoints.save(state.step, {**facts, **environment_facts(accelerator)})
+            checkpoints.save(state.step, {**facts, **environment_facts(accelerator)}, background=args.async_save and not last)
         except CheckpointError as err:
             raise SystemExit(f"checkpoint error: {err}") from None
         seconds = time.perf_counter() - start
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
             bar.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{metrics['perf/tokens_per_second']:.0f}")
         save_now, preempted = schedule.check(state.step)  # the same answer on every rank
         if save_now or state.step == args.max_steps:
-            save()
+            save(last=preempted or state.step == args.max_steps)
         if preempted:
             break
     bar.close()

@@ -49,7 +49,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(accelerator
         step()
         checkpoints.save(state.step, {})
         weights[state.step] = model.weight.detach().clone()
-    checkpoints.wait_for_pruning()
+    checkpoints.wait()
     assert [p.name for p in checkpoints.checkpoints()] == ["step_00000001", "step_00000002", "step_00000003"]
     newest = checkpoints.path(3)
     assert problem(newest) is None and read_manifest(newest)["files"]["model.safetensors"]["crc32"]
@@ -107,13 +107,13 @@ def test_retention_keeps_newest_best_and_milestones_across_a_restart(accelerator
     for _ in range(5):
         step()
         checkpoints.save(state.step, {"metrics": {"train/loss": losses[state.step]}})
-    checkpoints.wait_for_pruning()
+    checkpoints.wait()
     assert [p.name[-1] for p in checkpoints.checkpoints()] == ["2", "3", "4", "5"]  # best 4, 2; milestone 3; newest 4, 5
     restarted = manager(accelerator, tmp_path, **kw)  # a new process: retention reads the manifests
     for _ in range(3):
         step()
         restarted.save(state.step, {"metrics": {"train/loss": losses[state.step]}})
-    restarted.wait_for_pruning()
+    restarted.wait()
     assert [p.name[-1] for p in restarted.checkpoints()] == ["2", "3", "4", "6", "7", "8"]
     greater = manager(accelerator, tmp_path, save_total_limit=1, keep_best=1, greater_is_better=True)
     greater.prune()
@@ -167,3 +167,26 @@ def test_a_zero_checkpoint_from_another_world_size_is_refused(accelerator, train
     with pytest.raises(CheckpointError, match=r"written by 8 DEEPSPEED processes and this run is 1 NO: ZeRO checkpoints are sharded"):
         checkpoints.resume("auto")
     assert checkpoints.path(1).exists()  # refused, not thrown away
+
+
+def test_a_background_save_holds_the_state_of_its_step(accelerator, trainer, tmp_path):
+    """Training goes on while the save is written; the checkpoint still holds the step's weights, optimizer and RNG."""
+    model, state, step = trainer
+    checkpoints = manager(accelerator, tmp_path)
+    step()
+    checkpoints.save(state.step, {}, background=True)
+    weights = model.weight.detach().clone()
+    next_draw = torch.rand(3)  # what the generator gives right after the save
+    for _ in range(3):  # moves weights, optimizer moments and the RNG on while rank 0 writes
+        step()
+    checkpoints.wait()
+    assert problem(checkpoints.path(1)) is None
+    assert not torch.equal(model.weight, weights)
+    sync = manager(accelerator, tmp_path / "sync")
+    resume, _ = checkpoints.resume("auto")
+    assert resume == checkpoints.path(1) and torch.equal(model.weight, weights)
+    assert torch.equal(torch.rand(3), next_draw)
+    sync.save(1, {})  # the same state saved synchronously gives the same files
+    for name in ("model.safetensors", "optimizer.bin", "scheduler.bin"):
+        if (checkpoints.path(1) / name).exists():
+            assert (checkpoints.path(1) / name).read_bytes() == (sync.path(1) / name).read_bytes(), name

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -157,15 +158,20 @@ def test_two_processes_train_as_one_job(straight, small_data):
     assert torch.equal(model.model.embed_tokens.weight, weights(out)["model.embed_tokens.weight"])
 
 
-def test_resume_is_bit_exact(straight, small_data, tmp_path):
-    """N steps, a new launch that auto-resumes for N more == 2N straight, with dropout on."""
+@pytest.mark.parametrize("async_save", ["false", "true"])
+def test_resume_is_bit_exact(async_save, straight, small_data, tmp_path):
+    """N steps, a new launch that auto-resumes for N more == 2N straight, with dropout on (saves synchronous or in the background)."""
     straight_tmp, _ = straight
     out = tmp_path / "out"
-    first = launch("cpu.yaml", recipe_args(small_data, out, STEPS), tmp_path)
+    first = launch("cpu.yaml", recipe_args(small_data, out, STEPS, "--async_save", async_save), tmp_path)
     assert first.returncode == 0
-    second = launch("cpu.yaml", recipe_args(small_data, out, 2 * STEPS), tmp_path)
+    resume_at = STEPS
+    if async_save == "true":  # the last save is synchronous: resume from the one before, written in the background
+        shutil.rmtree(out / "checkpoints" / f"step_{STEPS:08d}")
+        resume_at = STEPS - 4
+    second = launch("cpu.yaml", recipe_args(small_data, out, 2 * STEPS, "--async_save", async_save), tmp_path)
     assert second.returncode == 0
-    assert f"resumed at step {STEPS}" in second.stdout
+    assert f"resumed at step {resume_at}" in second.stdout
     # the resumed half crossed an epoch end, and saw exactly the batches the straight run saw
     steps_per_epoch = len(PackedDataset(small_data)) // (2 * MICRO_BATCH * ACCUMULATION)
     assert STEPS < steps_per_epoch < 2 * STEPS
