@@ -81,7 +81,8 @@ def test_compare_prints_a_table_and_plots_the_curves(store, tmp_path, capsys):
 
 @pytest.mark.multiprocess
 def test_a_tracking_server_outage_delays_metrics_but_loses_none(small_data, tmp_path):
-    """A real `mlflow server`, killed while the recipe runs and started again: one run, every point, one warning."""
+    """A real `mlflow server`, killed while the recipe runs and started again: one run, every point, one warning.
+    Then a second run with another learning rate: both are in the server, ready to compare."""
     import os
     import signal
     import subprocess
@@ -137,6 +138,16 @@ def test_a_tracking_server_outage_delays_metrics_but_loses_none(small_data, tmp_
         assert output.count("warning: tracking store unreachable") == 1  # one line for the outage, not one per step
         assert "tracking store reachable again" in output
         assert not (tmp_path / "out" / "unsent_metrics.jsonl").exists()
+
+        # a second run with another learning rate: both are there to compare, with params, tags and curves
+        other = recipe_args(small_data, tmp_path / "other", 20, "--learning_rate", "3e-3")
+        cmd, env = launch_command("cpu.yaml", other, tmp_path)
+        assert subprocess.run(cmd, cwd=REPO, env={**env, "MLFLOW_TRACKING_URI": uri}, capture_output=True, timeout=300).returncode == 0
+        runs = client.search_runs([client.get_experiment_by_name("pretrain_clm").experiment_id])
+        assert sorted(r.data.params["TrainingArguments.learning_rate"] for r in runs) == ["0.003", "0.01"]
+        for r in runs:
+            assert r.info.status == "FINISHED" and r.data.tags["world_size"] == "2" and r.data.tags["recipe"] == "pretrain_clm"
+            assert len(client.get_metric_history(r.info.run_id, "train/loss")) >= 10
     finally:
         os.killpg(server.pid, signal.SIGKILL)
         run.kill()
