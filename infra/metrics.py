@@ -30,3 +30,40 @@ class Throughput:
         out = {"tokens_per_second": self._tokens / elapsed, "step_time": elapsed / steps, "data_wait": self._waited / steps}
         self._start, self._tokens, self._steps, self._waited = now, 0, 0, 0.0
         return out
+
+
+# Dense bf16 peak of one device, in TFLOP/s, from the vendors' data sheets (no sparsity).
+PEAK_BF16_TFLOPS = {
+    "H200": 989.0,
+    "H100 SXM": 989.0,
+    "H100 80GB HBM3": 989.0,
+    "H100 NVL": 835.0,
+    "H100 PCIe": 756.0,
+    "GH200": 989.0,
+    "B200": 2250.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "L40S": 362.0,
+    "L40": 181.0,
+    "L4": 121.0,
+    "A10G": 70.0,
+    "A10": 125.0,
+    "RTX 4090": 165.0,
+    "RTX 3090": 71.0,
+}
+
+
+def peak_bf16_flops(device_name: str | None) -> float | None:
+    """Peak bf16 FLOP/s of a device by its name (torch.cuda.get_device_name), or None when unknown (CPU included)."""
+    if not device_name:
+        return None
+    name = device_name.upper()
+    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):  # the most specific name first: "H100 PCIe" before "H100"
+        if key.upper() in name:
+            return PEAK_BF16_TFLOPS[key] * 1e12
+    return None
+
+
+def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per parameter (forward and backward) plus attention's 12 * layers * hidden * seq."""
+    return 6.0 * num_params + 12.0 * num_layers * hidden_size * seq_len

@@ -33,7 +33,7 @@ from infra.config import TrainingArguments, parse_config, require, resolved
 from infra.data import DataCursor, PackedDataset, ResumableLoader, SampleTrace, check_fits_model
 from infra.distributed import build_accelerator
 from infra.health import check_replicas_in_sync
-from infra.metrics import Throughput
+from infra.metrics import Throughput, flops_per_token, peak_bf16_flops
 from infra.tracking import MetricLogger, end_run, last_logged_step, run_name_for, run_status, run_tags, start_run
 
 
@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         raise SystemExit(f"data error: {err}") from None
     optimizer = build_optimizer(model, args)
+    mc = model.config  # counted before ZeRO-3 partitions the parameters
+    flops = flops_per_token(sum(p.numel() for p in model.parameters()), mc.num_hidden_layers, mc.hidden_size, dataset.seq_len)
 
     # Data: this rank's slice of every global batch, from the global cursor
     cursor = DataCursor()
@@ -204,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # Training loop
     tokens_per_step = loader.global_batch_size * args.gradient_accumulation_steps * dataset.seq_len
+    peak = peak_bf16_flops(torch.cuda.get_device_name(accelerator.device) if accelerator.device.type == "cuda" else None)
     batches = iter(loader)
     meter = Throughput()
     loss_sum, loss_count = torch.zeros((), device=accelerator.device), 0
@@ -242,6 +245,8 @@ def main(argv: list[str] | None = None) -> None:
                 "train/epoch": cursor.epoch,
             }
             metrics.update({f"perf/{k}": v for k, v in meter.rate().items()})
+            if peak:  # model FLOPs utilisation, only where the device's peak is known: never a wrong number
+                metrics["perf/mfu"] = metrics["perf/tokens_per_second"] * flops / (peak * accelerator.num_processes)
             if grad_norm is not None:
                 metrics["train/grad_norm"] = float(grad_norm)
             if not math.isfinite(mean_loss):

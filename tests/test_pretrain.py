@@ -148,6 +148,7 @@ def test_two_processes_train_as_one_job(straight, small_data):
     assert {"train/learning_rate", "train/grad_norm", "perf/tokens_per_second", "perf/data_wait", "checkpoint/save_seconds"} <= set(
         run.data.metrics
     )
+    assert "perf/mfu" not in run.data.metrics  # no known peak on a CPU: no number
     losses = [m.value for m in client.get_metric_history(run.info.run_id, "train/loss")]
     assert len(losses) == STEPS and losses[-1] < losses[0]
     # the exported model loads with from_pretrained

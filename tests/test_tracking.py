@@ -151,3 +151,13 @@ def test_a_tracking_server_outage_delays_metrics_but_loses_none(small_data, tmp_
     finally:
         os.killpg(server.pid, signal.SIGKILL)
         run.kill()
+
+
+def test_mfu_needs_a_known_peak():
+    from infra.metrics import flops_per_token, peak_bf16_flops
+
+    assert peak_bf16_flops("NVIDIA H100 PCIe") == 756e12  # the specific name wins over the family
+    assert peak_bf16_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_bf16_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_bf16_flops("Some Future GPU") is None and peak_bf16_flops(None) is None  # no number rather than a wrong one
+    assert flops_per_token(1_000_000, 2, 128, 256) == 6e6 + 12 * 2 * 128 * 256
