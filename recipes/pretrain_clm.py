@@ -190,13 +190,15 @@ def main(argv: list[str] | None = None) -> None:
 
     metrics: dict[str, float] = manifest.get("metrics", {})
 
+    job_facts = environment_facts(accelerator)  # versions, git state: once, not at every save
+
     def save(last: bool = False) -> None:
         if trace:
             trace.flush()
         start = time.perf_counter()
         facts = {"tokens_seen": state.tokens_seen, "cursor": cursor.state_dict(), "metrics": metrics, "mlflow_run_id": run_id}
         try:
-            checkpoints.save(state.step, {**facts, **environment_facts(accelerator)}, background=args.async_save and not last)
+            checkpoints.save(state.step, {**facts, **job_facts}, background=args.async_save and not last)
         except CheckpointError as err:
             raise SystemExit(f"checkpoint error: {err}") from None
         seconds = time.perf_counter() - start
