@@ -142,6 +142,7 @@ class MetricLogger:
         self._pending: list = []
         self._cond = threading.Condition()
         self._closing = False
+        self._deadline = float("inf")
         self._down_since: float | None = None
         self._thread = None
         if run_id is not None:
@@ -176,6 +177,8 @@ class MetricLogger:
                     self._down_since = time.monotonic()
                     print(f"warning: tracking store unreachable ({type(err).__name__}); training goes on, metrics are buffered", flush=True)
                 with self._cond:
+                    if self._closing and time.monotonic() >= self._deadline:
+                        return  # close() writes what is left to the fallback file
                     self._cond.wait(self.retry_seconds)
                 continue
             with self._cond:
@@ -189,8 +192,9 @@ class MetricLogger:
             return
         with self._cond:
             self._closing = True
+            self._deadline = time.monotonic() + timeout
             self._cond.notify()
-        self._thread.join(timeout)
+        self._thread.join()  # returns by the deadline (plus one request): nothing is sent after the fallback is written
         with self._cond:
             unsent, self._pending = self._pending, []
         if unsent:

@@ -161,3 +161,22 @@ def test_mfu_needs_a_known_peak():
     assert peak_bf16_flops("NVIDIA A100-SXM4-80GB") == 312e12
     assert peak_bf16_flops("Some Future GPU") is None and peak_bf16_flops(None) is None  # no number rather than a wrong one
     assert flops_per_token(1_000_000, 2, 128, 256) == 6e6 + 12 * 2 * 128 * 256
+
+
+def test_points_a_dead_store_never_took_end_in_the_fallback_file(tmp_path, monkeypatch, capsys):
+    import json
+
+    from infra.tracking import MetricLogger
+    from tests.conftest import free_port
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    logger = MetricLogger("0123456789abcdef", tmp_path / "unsent.jsonl", retry_seconds=0.1)
+    for step in (1, 2, 3):
+        logger.log({"train/loss": 1.0 / step}, step=step)
+    logger.close(timeout=1.0)
+    lines = [json.loads(line) for line in (tmp_path / "unsent.jsonl").read_text().splitlines()]
+    assert [(p["key"], p["step"], p["value"]) for p in lines] == [("train/loss", s, 1.0 / s) for s in (1, 2, 3)]
+    out = capsys.readouterr().out
+    assert out.count("tracking store unreachable") == 1 and "3 metric points could not reach the tracking store" in out
