@@ -51,6 +51,11 @@ class TrainingArguments:
     mixed_precision: Literal["bf16", "fp16", "no"] = field(default="bf16", metadata={"help": "Autocast precision."})
 
     logging_steps: int = field(default=10, metadata={"help": "Log metrics every N optimizer steps."})
+    eval_steps: int = field(
+        default=0,
+        metadata={"help": "Evaluate on the held-out samples every N optimizer steps (0: only at the end); recipes without eval ignore it."},
+    )
+    per_device_eval_batch_size: int = field(default=8, metadata={"help": "Samples per process per eval batch."})
     save_steps: int = field(default=100, metadata={"help": "Save a checkpoint every N optimizer steps (0: only at the end)."})
     save_every_minutes: str = field(
         default="30",
@@ -82,6 +87,13 @@ class TrainingArguments:
         metadata={"help": "'auto' resumes from the newest checkpoint in output_dir, 'none' starts fresh, or a checkpoint path."},
     )
     ddp_timeout: int = field(default=1800, metadata={"help": "Seconds a collective may wait before the job fails instead of hanging."})
+    log_model: bool = field(
+        default=False,
+        metadata={"help": "Log the exported model to the MLflow run as an MLflow transformers model (loadable with mlflow.pyfunc)."},
+    )
+    register_model: str | None = field(
+        default=None, metadata={"help": "Also register the logged model in the MLflow model registry under this name (implies log_model)."}
+    )
 
     @property
     def save_interval_minutes(self) -> float | str | None:
@@ -95,9 +107,15 @@ class TrainingArguments:
         return minutes if minutes >= 0 else None
 
     def __post_init__(self):
-        for name in ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps"):
+        for name in (
+            "max_steps",
+            "per_device_train_batch_size",
+            "per_device_eval_batch_size",
+            "gradient_accumulation_steps",
+            "logging_steps",
+        ):
             require(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
-        for name in ("warmup_steps", "save_steps", "ddp_timeout", "keep_best", "save_milestone_steps"):
+        for name in ("warmup_steps", "save_steps", "eval_steps", "ddp_timeout", "keep_best", "save_milestone_steps"):
             require(getattr(self, name) >= 0, name, getattr(self, name), "an integer >= 0")
         require(self.learning_rate > 0, "learning_rate", self.learning_rate, "a number > 0")
         require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
@@ -111,6 +129,9 @@ class TrainingArguments:
             self.save_total_limit,
             "an integer >= 1 or null",
         )
+        if self.register_model is not None:
+            require(bool(re.fullmatch(r"[\w.\-/ ]{1,256}", self.register_model)), "register_model", self.register_model, "a model name")
+            self.log_model = True
         if self.resume_from_checkpoint not in ("auto", "none"):
             require(
                 Path(self.resume_from_checkpoint).is_dir(),

@@ -304,6 +304,36 @@ def log_run_artifacts(accelerator: Accelerator, config: dict) -> None:
         mlflow.log_dict(accelerator.state.deepspeed_plugin.deepspeed_config, "deepspeed_config.json")
 
 
+def log_model(model_dir: str | os.PathLike, task: str, registered_name: str | None = None) -> str | None:
+    """Log an exported model (a `save_pretrained` folder) to the active run as an MLflow transformers model.
+
+    Loadable with `mlflow.transformers.load_model` / `mlflow.pyfunc.load_model`; registered as a new
+    version of `registered_name` when given. Returns the model URI, or None when it could not be
+    logged: the export on disk is the deliverable, so a tracking failure is a warning, not a crash.
+    """
+    import mlflow
+
+    if mlflow.active_run() is None:
+        return None
+    try:
+        import mlflow.transformers
+        from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+        auto = AutoModelForCausalLM if task == "text-generation" else AutoModel
+        components = {"model": auto.from_pretrained(model_dir), "tokenizer": AutoTokenizer.from_pretrained(model_dir)}
+        # the requirements are ours, pinned: MLflow's own inference imports packages we do not use (torchvision)
+        pins = [
+            f"{package}=={version}" for package, version in package_versions().items() if package in ("torch", "transformers", "accelerate")
+        ]
+        info = mlflow.transformers.log_model(
+            components, name="model", task=task, registered_model_name=registered_name, pip_requirements=pins
+        )
+    except Exception as err:
+        print(f"warning: the model in {model_dir} was not logged to MLflow ({type(err).__name__}: {err})", flush=True)
+        return None
+    return info.model_uri
+
+
 def end_run(status: str) -> None:
     """End the active MLflow run of this process (if any) with `status`: FINISHED, KILLED or FAILED."""
     if "mlflow" not in sys.modules:

@@ -30,11 +30,11 @@ from transformers import (
 
 from infra.checkpoint import CheckpointError, CheckpointManager, SaveSchedule, TrainState, environment_facts, write_model_card
 from infra.config import TrainingArguments, parse_config, require, resolved
-from infra.data import DataCursor, PackedDataset, ResumableLoader, SampleTrace, check_fits_model
+from infra.data import DataCursor, PackedDataset, ResumableLoader, SampleTrace, check_fits_model, eval_batches
 from infra.distributed import build_accelerator
 from infra.health import check_replicas_in_sync
 from infra.metrics import Throughput, flops_per_token, peak_bf16_flops
-from infra.tracking import MetricLogger, end_run, last_logged_step, run_name_for, run_status, run_tags, start_run
+from infra.tracking import MetricLogger, end_run, last_logged_step, log_model, run_name_for, run_status, run_tags, start_run
 
 
 @dataclass
@@ -62,6 +62,9 @@ class ModelArguments:
 @dataclass
 class DataArguments:
     data_dir: str = field(default="data/stdlib", metadata={"help": "Prepared shards (python -m infra.data.prepare)."})
+    eval_samples: int = field(
+        default=0, metadata={"help": "Hold out the last N samples of data_dir for eval (eval/loss, eval/perplexity); 0: no eval."}
+    )
     num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes per rank."})
     shuffle_window: int = field(
         default=1 << 18, metadata={"help": "Samples shuffled together after the shards are shuffled (see infra.data.loader.EpochOrder)."}
@@ -71,6 +74,7 @@ class DataArguments:
 
     def __post_init__(self):
         require(self.num_workers >= 0, "num_workers", self.num_workers, "an integer >= 0")
+        require(self.eval_samples >= 0, "eval_samples", self.eval_samples, "an integer >= 0")
         require(self.shuffle_window >= 1, "shuffle_window", self.shuffle_window, "an integer >= 1")
 
 
@@ -108,12 +112,27 @@ def build_scheduler(optimizer, args: TrainingArguments):
     return get_cosine_with_min_lr_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps, min_lr_rate=args.min_lr_ratio)
 
 
+@torch.no_grad()
+def evaluate(accelerator, model, held_out, batch_size: int) -> dict[str, float]:
+    """Mean token loss and perplexity over the held-out samples, all ranks together."""
+    model.eval()
+    total = torch.zeros(2, device=accelerator.device)  # sum of batch losses, batches
+    for batch in eval_batches(held_out, batch_size, accelerator.process_index, accelerator.num_processes):
+        batch = batch.to(accelerator.device, non_blocking=True)
+        total += torch.stack([model(input_ids=batch, labels=batch).loss.float(), torch.ones((), device=accelerator.device)])
+    model.train()
+    loss_sum, batches = accelerator.reduce(total, "sum").tolist()
+    loss = loss_sum / batches
+    return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
+
+
 def main(argv: list[str] | None = None) -> None:
     # Configuration: everything is checked before a process group, file or run exists
     model_args, data_args, args = parse_config((ModelArguments, DataArguments, TrainingArguments), argv)
     config = resolved(model_args, data_args, args)
     try:
         dataset = PackedDataset(data_args.data_dir, verify_checksums=data_args.verify_data_checksums)
+        train_set, held_out = dataset.split(data_args.eval_samples)
     except ValueError as err:
         raise SystemExit(f"data error: {err}") from None
     tokenizer = AutoTokenizer.from_pretrained(dataset.tokenizer_dir)
@@ -134,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     # Data: this rank's slice of every global batch, from the global cursor
     cursor = DataCursor()
     loader = ResumableLoader(
-        dataset,
+        train_set,
         args.per_device_train_batch_size,
         args.seed,
         accelerator.process_index,
@@ -240,21 +259,27 @@ def main(argv: list[str] | None = None) -> None:
             mean_loss = accelerator.reduce(loss_sum, "mean").item() / loss_count
             loss_sum.zero_()
             loss_count = 0
-            metrics = {
+            logged = {
                 "train/loss": mean_loss,
                 "train/learning_rate": scheduler.get_last_lr()[0],
                 "train/tokens_seen": state.tokens_seen,
                 "train/epoch": cursor.epoch,
             }
-            metrics.update({f"perf/{k}": v for k, v in meter.rate().items()})
+            logged.update({f"perf/{k}": v for k, v in meter.rate().items()})
             if peak:  # model FLOPs utilisation, only where the device's peak is known: never a wrong number
-                metrics["perf/mfu"] = metrics["perf/tokens_per_second"] * flops / (peak * accelerator.num_processes)
+                logged["perf/mfu"] = logged["perf/tokens_per_second"] * flops / (peak * accelerator.num_processes)
             if grad_norm is not None:
-                metrics["train/grad_norm"] = float(grad_norm)
+                logged["train/grad_norm"] = float(grad_norm)
             if not math.isfinite(mean_loss):
                 accelerator.print(f"warning: non-finite loss {mean_loss} at step {state.step}")
-            tracker.log(metrics, step=state.step)
-            bar.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{metrics['perf/tokens_per_second']:.0f}")
+            tracker.log(logged, step=state.step)
+            metrics |= logged  # the latest of each metric, eval included: checkpoints and keep_best read them
+            bar.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{logged['perf/tokens_per_second']:.0f}")
+        if len(held_out) and (state.step == args.max_steps or (args.eval_steps and state.step % args.eval_steps == 0)):
+            scores = evaluate(accelerator, model, held_out, args.per_device_eval_batch_size)
+            metrics.update(scores)  # kept until the next eval: keep_best may rank checkpoints by eval/loss
+            tracker.log(scores, step=state.step)
+            accelerator.print(f"step {state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
         save_now, preempted = schedule.check(state.step)  # the same answer on every rank
         if save_now or state.step == args.max_steps:
             save(last=preempted or state.step == args.max_steps)
@@ -285,6 +310,8 @@ def main(argv: list[str] | None = None) -> None:
         write_model_card(final, "pretrain_clm", config, {"step": state.step, "tokens_seen": state.tokens_seen, **metrics})
     accelerator.print(f"done: step {state.step}, {state.tokens_seen} tokens; model exported to {final}")
     tracker.close()
+    if args.log_model and accelerator.is_main_process and (uri := log_model(final, "text-generation", args.register_model)):
+        accelerator.print(f"model logged to MLflow as {uri}" + (f", registered as {args.register_model!r}" if args.register_model else ""))
     end_run("FINISHED")
     accelerator.end_training()
 

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from infra.data import DataCursor, DataError, PackedDataset, ResumableLoader
+from infra.data import DataCursor, DataError, PackedDataset, ResumableLoader, eval_batches
 from infra.data.loader import EpochOrder
 from infra.data.prepare import PrepareArguments, prepare
 from infra.data.shards import INDEX_FILE
@@ -285,3 +285,32 @@ def test_the_recipe_refuses_damaged_data_and_writes_nothing(tmp_path, tiny_data)
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1] == f"data error: {data / 'shard_00002.npy'} is listed in index.json but missing"
     assert not (tmp_path / "out").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_held_out_samples_never_reach_training_and_every_rank_evaluates_alike(small_data, world):
+    dataset = PackedDataset(small_data)
+    train, held_out = dataset.split(50)
+    assert len(train) + len(held_out) == len(dataset) and sum(train.shard_sizes) == len(train)
+    everything = dataset.__getitems__(list(range(len(dataset))))
+    assert torch.equal(held_out.__getitems__(list(range(50))), everything[-50:])
+
+    # a whole epoch of training, every rank: only samples before the cut, each once
+    seen = []
+    for rank in range(world):
+        loader = ResumableLoader(train, 4, seed=3, rank=rank, world_size=world, shuffle_window=48)
+        for batch in itertools.islice(loader, loader.batches_per_epoch):
+            seen += [bytes(row.numpy()) for row in batch]
+    rows = {bytes(row.numpy()): i for i, row in enumerate(everything)}
+    ids = sorted(rows[r] for r in seen)
+    assert len(ids) == len(set(ids)) == loader.batches_per_epoch * 4 * world and ids[-1] < len(train)
+
+    # eval: the same number of batches on every rank (sharded forwards are collectives), each sample once
+    shares = [list(eval_batches(held_out, 8, rank, world)) for rank in range(world)]
+    assert len({len(share) for share in shares}) == 1
+    evaluated = torch.cat([b for share in shares for b in share])
+    assert len(evaluated) == 50 - 50 % world
+    assert sorted(rows[bytes(r.numpy())] for r in evaluated) == list(range(len(dataset) - 50, len(dataset) - 50 % world))
+
+    with pytest.raises(DataError, match="eval_samples=315"):
+        dataset.split(len(dataset))

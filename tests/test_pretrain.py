@@ -60,6 +60,8 @@ def recipe_args(data: Path, out: Path, max_steps: int, *extra: str) -> list[str]
         "--shuffle_window",
         str(SHUFFLE_WINDOW),
         "--trace_samples",
+        "--eval_samples",  # the global-order checks below cover the whole data set
+        "0",
         *extra,
     ]
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import mlflow
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from infra.compare import main as compare
 from infra.tracking import MAX_PARAM_LENGTH, REDACTED, TRUNCATED, end_run, run_status, safe_params
@@ -140,7 +142,9 @@ def test_a_tracking_server_outage_delays_metrics_but_loses_none(small_data, tmp_
         assert not (tmp_path / "out" / "unsent_metrics.jsonl").exists()
 
         # a second run with another learning rate: both are there to compare, with params, tags and curves
-        other = recipe_args(small_data, tmp_path / "other", 20, "--learning_rate", "3e-3")
+        # with a held-out eval and the final model registered
+        other = recipe_args(small_data, tmp_path / "other", 20, "--learning_rate", "3e-3", "--eval_samples", "40", "--eval_steps", "10")
+        other += ["--register_model", "tiny-clm"]
         cmd, env = launch_command("cpu.yaml", other, tmp_path)
         assert subprocess.run(cmd, cwd=REPO, env={**env, "MLFLOW_TRACKING_URI": uri}, capture_output=True, timeout=300).returncode == 0
         runs = client.search_runs([client.get_experiment_by_name("pretrain_clm").experiment_id])
@@ -148,7 +152,18 @@ def test_a_tracking_server_outage_delays_metrics_but_loses_none(small_data, tmp_
         for r in runs:
             assert r.info.status == "FINISHED" and r.data.tags["world_size"] == "2" and r.data.tags["recipe"] == "pretrain_clm"
             assert len(client.get_metric_history(r.info.run_id, "train/loss")) >= 10
+        second = next(r for r in runs if r.data.params["TrainingArguments.learning_rate"] == "0.003")
+        evals = client.get_metric_history(second.info.run_id, "eval/loss")
+        assert [m.step for m in evals] == [10, 20] and evals[1].value < evals[0].value
+        (version,) = client.search_model_versions("name='tiny-clm'")
+        assert version.run_id == second.info.run_id
+        mlflow.set_tracking_uri(uri)
+        pipeline = mlflow.transformers.load_model(f"models:/tiny-clm/{version.version}")  # the exported weights, as MLflow serves them
+        exported = load_file(tmp_path / "other" / "final" / "model.safetensors")
+        served = pipeline.model.state_dict()
+        assert all(torch.equal(served[name], tensor) for name, tensor in exported.items())
     finally:
+        mlflow.set_tracking_uri(None)
         os.killpg(server.pid, signal.SIGKILL)
         run.kill()
 
@@ -180,3 +195,28 @@ def test_points_a_dead_store_never_took_end_in_the_fallback_file(tmp_path, monke
     assert [(p["key"], p["step"], p["value"]) for p in lines] == [("train/loss", s, 1.0 / s) for s in (1, 2, 3)]
     out = capsys.readouterr().out
     assert out.count("tracking store unreachable") == 1 and "3 metric points could not reach the tracking store" in out
+
+
+def test_a_server_down_at_start_sends_the_run_to_the_local_store(tmp_path, monkeypatch, capsys):
+    """Training must not wait for the tracking server: the run starts in the local store, with one warning."""
+    from accelerate import Accelerator
+
+    from infra import tracking
+    from tests.conftest import free_port
+
+    local = f"sqlite:///{tmp_path / 'local.db'}"
+    monkeypatch.setattr(tracking, "DEFAULT_URI", local)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    config = {"TrainingArguments": {"learning_rate": 0.01, "hf_token": "hf_abcdefghijklmnopqrstuvwxyz0123"}}
+    try:
+        run_id = tracking.start_run(Accelerator(log_with="mlflow"), "exp", "lr0.01", config, tmp_path / "out", tags={"recipe": "x"})
+        mlflow.log_metric("train/loss", 1.5, step=1)
+        end_run("FINISHED")
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert capsys.readouterr().out.count("unreachable") == 1
+    run = mlflow.MlflowClient(local).get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["recipe"] == "x" and run.data.metrics["train/loss"] == 1.5
+    assert run.data.params == {"TrainingArguments.learning_rate": "0.01", "TrainingArguments.hf_token": REDACTED}
+    assert (tmp_path / "out" / "mlflow_run_id").read_text() == run_id

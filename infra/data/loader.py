@@ -177,6 +177,17 @@ class ResumableLoader:
             self.cursor.samples_consumed = 0
 
 
+def eval_batches(dataset: torch.utils.data.Dataset, batch_size: int, rank: int, world_size: int) -> Iterator[torch.Tensor]:
+    """This rank's share of a held-out set, in order: sample `i` goes to rank `i % world_size`.
+
+    Every rank gets the same number of batches (sharded models run collectives in forward, so an
+    extra batch on one rank would hang the others); the last `len % world_size` samples are left out.
+    """
+    ids = np.arange(len(dataset) - len(dataset) % world_size)[rank::world_size]
+    for s in range(0, len(ids), batch_size):
+        yield _collate(dataset.__getitems__(ids[s : s + batch_size].tolist()))
+
+
 class SampleTrace:
     """Appends the global sample ids each step consumed on this rank to `OUTPUT_DIR/trace/rank{r}.jsonl`.
 

@@ -183,3 +183,43 @@ class PackedDataset(torch.utils.data.Dataset):
         state = self.__dict__.copy()
         state["_maps"] = {}
         return state
+
+    def split(self, held_out: int) -> tuple[SampleRange, SampleRange]:
+        """(train, eval): the last `held_out` samples of the global sample space are kept out of training.
+
+        The eval samples are the tail of the last shards (the end of the corpus as prepared); the
+        training order is then a permutation of the first `len(self) - held_out` samples.
+        """
+        if not 0 <= held_out < len(self):
+            raise DataError(f"eval_samples={held_out} must be >= 0 and leave samples to train on: the data has {len(self)}")
+        cut = len(self) - held_out
+        return SampleRange(self, 0, cut), SampleRange(self, cut, len(self))
+
+
+class SampleRange(torch.utils.data.Dataset):
+    """Samples `start..stop` of a PackedDataset, renumbered from 0; its shard sizes are the parent's, cut to the range."""
+
+    def __init__(self, parent: PackedDataset, start: int, stop: int):
+        self.parent, self.start, self.stop = parent, start, stop
+        starts = parent._starts
+        self.shard_sizes = [
+            int(min(stop, starts[i + 1]) - max(start, starts[i]))
+            for i in range(len(starts) - 1)
+            if starts[i + 1] > start and starts[i] < stop
+        ]
+
+    @property
+    def seq_len(self) -> int:
+        return self.parent.seq_len
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.__getitems__([i])[0]
+
+    def __getitems__(self, ids: list[int]) -> torch.Tensor:
+        ids = np.asarray(ids, dtype=np.int64)
+        if len(ids) and (ids.min() < 0 or ids.max() >= len(self)):
+            raise IndexError(f"sample ids {ids.min()}..{ids.max()} outside [0, {len(self)})")
+        return self.parent.__getitems__(ids + self.start)
