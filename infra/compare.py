@@ -19,6 +19,7 @@ COLUMNS = (
     ("batch", 7),
     ("steps", 7),
     ("final loss", 10),
+    ("eval loss", 10),
     ("tokens/s", 10),
     ("run id", 8),
 )
@@ -43,6 +44,7 @@ def rows(client, runs, metric: str) -> list[tuple[str, ...]]:
                 batch,
                 _param(run, "max_steps"),
                 f"{loss:.4f}" if loss is not None else "-",
+                f"{last['eval/loss']:.4f}" if "eval/loss" in last else "-",
                 f"{rate:,.0f}" if rate is not None else "-",
                 run.info.run_id[:8],
             )

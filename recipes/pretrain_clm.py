@@ -279,7 +279,8 @@ def main(argv: list[str] | None = None) -> None:
             scores = evaluate(accelerator, model, held_out, args.per_device_eval_batch_size)
             metrics.update(scores)  # kept until the next eval: keep_best may rank checkpoints by eval/loss
             tracker.log(scores, step=state.step)
-            accelerator.print(f"step {state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
+            if accelerator.is_main_process:
+                bar.write(f"step {state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
         save_now, preempted = schedule.check(state.step)  # the same answer on every rank
         if save_now or state.step == args.max_steps:
             save(last=preempted or state.step == args.max_steps)
