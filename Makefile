@@ -15,7 +15,7 @@ EXPERIMENT ?= pretrain_clm
 MLFLOW_DB := sqlite:///$(CURDIR)/mlflow.db
 
 .DEFAULT_GOAL := help
-.PHONY: help setup data train test test-all ui compare bench lint format clean
+.PHONY: help setup data train doctor test test-all ui compare plan bench lint format clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -34,6 +34,9 @@ data: setup  ## tokenize and pack the default corpus (the Python standard librar
 train: data  ## pretrain the default model (RECIPE=, RUN_CONFIG=, ACCEL_CONFIG=, ARGS= to change)
 	$(BIN)/accelerate launch --config_file $(ACCEL_CONFIG) recipes/$(RECIPE).py --config $(RUN_CONFIG) $(ARGS)
 
+doctor: data  ## preflight of the train job without training: devices, a collective, data checksums, a checkpoint round trip, disk, MLflow
+	$(BIN)/accelerate launch --config_file $(ACCEL_CONFIG) recipes/$(RECIPE).py --config $(RUN_CONFIG) --preflight_only true $(ARGS)
+
 test: setup  ## run the test suite (multi-process tests included, slow ones not)
 	$(BIN)/python -m pytest -m "not slow"
 
@@ -45,6 +48,9 @@ ui: setup  ## serve the MLflow UI for this repository's runs on http://127.0.0.1
 
 compare: setup  ## table of an experiment's runs and a PNG of their loss curves (EXPERIMENT=pretrain_clm)
 	MLFLOW_TRACKING_URI=$(MLFLOW_DB) $(BIN)/python -m infra.compare --experiment $(EXPERIMENT) --output runs/compare_$(EXPERIMENT).png
+
+plan: setup  ## capacity and checkpoint-interval plan (ARGS="--gpus 64 --per_gpu_batch 32 --step_seconds 1.2 --checkpoint_minutes 2 --simulate")
+	$(BIN)/python -m infra.plan $(ARGS)
 
 bench: data  ## benchmarks, as ratios to anchors measured in the same run (data, checkpoints, recipe overhead)
 	$(BIN)/python benchmarks/data_pipeline.py

@@ -41,6 +41,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list
 
 from infra.config import to_json
+from infra.distributed import all_ranks_ok
 from infra.environment import git_state, package_versions
 from infra.files import atomic_write_text, fsync_dir, fsync_file
 
@@ -56,18 +57,22 @@ PAUSE_ENV = "INFRA_TEST_PAUSE_IN_SAVE"
 
 
 class TrainState:
-    """Loop counters that must survive a restart. Registered for checkpointing."""
+    """Loop counters that must survive a restart, kept in the checkpoint's manifest."""
 
     def __init__(self):
         self.step = 0
         self.tokens_seen = 0
+        self.skipped_steps = 0  # optimizer steps skipped for a non-finite loss or gradient
+        self.rollbacks = 0  # returns to a checkpoint after too many of them in a row
 
     def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen}
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps, "rollbacks": self.rollbacks}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.rollbacks = int(state.get("rollbacks", 0))
 
 
 class CheckpointError(RuntimeError):
@@ -133,15 +138,6 @@ def checksum_problem(path: Path) -> str | None:
         if crc != files[rel]["crc32"]:
             return f"{rel} does not match its checksum (altered or damaged on disk)"
     return None
-
-
-def _all_ranks_ok(accelerator: Accelerator, ok: bool) -> bool:
-    """True on every rank iff `ok` on every rank (so no rank waits for one that gave up)."""
-    if accelerator.num_processes == 1:
-        return ok
-    flag = torch.tensor([1.0 if ok else 0.0], device=accelerator.device)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 class _Frozen:
@@ -232,7 +228,7 @@ class CheckpointManager:
                 acc.load_state(str(path))
             except Exception as err:  # a damaged file the checksums will name, usually
                 error = err
-            loaded = _all_ranks_ok(acc, error is None)
+            loaded = all_ranks_ok(acc, error is None)
             why = self._on_main(lambda: checked.result() if checked else None)
         if why is None and not loaded:
             why = f"loading failed ({error})" if error else "loading failed on another rank"
@@ -286,7 +282,7 @@ class CheckpointManager:
                 acc.save_state(str(work))
         except Exception as err:  # OSError, and what libraries wrap it in (safetensors raises its own type)
             error = err
-        if not _all_ranks_ok(acc, error is None):
+        if not all_ranks_ok(acc, error is None):
             self._give_up(work, step, error)
         if background:
             if acc.is_main_process:
@@ -300,7 +296,7 @@ class CheckpointManager:
                 self._commit(work, final, step, manifest)
             except Exception as err:
                 error = err
-        if not _all_ranks_ok(acc, error is None):
+        if not all_ranks_ok(acc, error is None):
             self._give_up(work, step, error)
         if acc.is_main_process:  # deleting old checkpoints is not on the training's critical path
             self._background = threading.Thread(target=self.prune, name="checkpoint-prune")
@@ -370,7 +366,7 @@ class CheckpointManager:
             self._background = None
         failed = self._background_error
         self._background_error = None
-        if not _all_ranks_ok(self.accelerator, failed is None):
+        if not all_ranks_ok(self.accelerator, failed is None):
             step, err = failed if failed else (None, None)
             raise CheckpointError(
                 f"the background save of step {step} failed ({err}); the earlier checkpoints are intact: "

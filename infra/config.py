@@ -86,7 +86,42 @@ class TrainingArguments:
         default="auto",
         metadata={"help": "'auto' resumes from the newest checkpoint in output_dir, 'none' starts fresh, or a checkpoint path."},
     )
-    ddp_timeout: int = field(default=1800, metadata={"help": "Seconds a collective may wait before the job fails instead of hanging."})
+    ddp_timeout: int = field(
+        default=1800, metadata={"help": "Seconds a collective may wait during start-up and the first step before the job fails."}
+    )
+    ddp_step_timeout: int = field(
+        default=900,
+        metadata={
+            "help": "After the first step, seconds a collective may wait before the job fails naming the rank that is behind "
+            "(0: keep ddp_timeout). Must exceed the longest checkpoint save."
+        },
+    )
+    max_bad_steps: int = field(
+        default=3, metadata={"help": "Non-finite steps in a row (each skipped: no optimizer step) before on_bad_steps acts."}
+    )
+    on_bad_steps: Literal["rollback", "stop"] = field(
+        default="rollback",
+        metadata={"help": "rollback: reload the newest checkpoint and skip the data since it; stop: end the run with a message."},
+    )
+    max_rollbacks: int = field(default=3, metadata={"help": "Rollbacks allowed in one run before it stops."})
+    straggler_window_steps: int = field(
+        default=50, metadata={"help": "Compare per-rank forward and data-wait times every N steps (0: off)."}
+    )
+    straggler_factor: float = field(default=1.5, metadata={"help": "A rank slower than this x the median is a straggler."})
+    straggler_patience: int = field(default=3, metadata={"help": "Windows in a row a rank must be slow before it is reported."})
+    straggler_action: Literal["warn", "checkpoint_and_exit"] = field(
+        default="warn",
+        metadata={"help": "checkpoint_and_exit: save and exit with code 75 so the job is restarted without the slow node."},
+    )
+    preflight: bool = field(
+        default=True, metadata={"help": "Check devices, a collective, data, a checkpoint round trip, disk and MLflow before training."}
+    )
+    preflight_only: bool = field(
+        default=False, metadata={"help": "Run the preflight (data checksums included), print it, and exit (make doctor)."}
+    )
+    time_budget_hours: float = field(
+        default=0.0, metadata={"help": "Warn after the first steps if the run needs longer than this (0: no budget)."}
+    )
     log_model: bool = field(
         default=False,
         metadata={"help": "Log the exported model to the MLflow run as an MLflow transformers model (loadable with mlflow.pyfunc)."},
@@ -113,15 +148,29 @@ class TrainingArguments:
             "per_device_eval_batch_size",
             "gradient_accumulation_steps",
             "logging_steps",
+            "max_bad_steps",
+            "straggler_patience",
         ):
             require(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
-        for name in ("warmup_steps", "save_steps", "eval_steps", "ddp_timeout", "keep_best", "save_milestone_steps"):
+        for name in (
+            "warmup_steps",
+            "save_steps",
+            "eval_steps",
+            "ddp_timeout",
+            "ddp_step_timeout",
+            "keep_best",
+            "save_milestone_steps",
+            "max_rollbacks",
+            "straggler_window_steps",
+        ):
             require(getattr(self, name) >= 0, name, getattr(self, name), "an integer >= 0")
         require(self.learning_rate > 0, "learning_rate", self.learning_rate, "a number > 0")
         require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
         require(self.max_grad_norm >= 0, "max_grad_norm", self.max_grad_norm, "a number >= 0")
         require(self.save_interval_minutes is not None, "save_every_minutes", self.save_every_minutes, "a number of minutes >= 0 or 'auto'")
         require(self.mtbf_hours > 0, "mtbf_hours", self.mtbf_hours, "a number > 0")
+        require(self.straggler_factor > 1, "straggler_factor", self.straggler_factor, "a number > 1")
+        require(self.time_budget_hours >= 0, "time_budget_hours", self.time_budget_hours, "a number of hours >= 0")
         require(self.preemption_grace_seconds > 0, "preemption_grace_seconds", self.preemption_grace_seconds, "a number > 0")
         require(
             self.save_total_limit is None or self.save_total_limit >= 1,

@@ -43,6 +43,10 @@ def build_accelerator(args: TrainingArguments, log_with: str | None = None) -> A
 
     timeout = timedelta(seconds=args.ddp_timeout)
     gloo = on_cpu and launched_world_size() > 1  # DeepSpeed on CPU needs it; a single process needs no group
+    if gloo:
+        # connect gloo pairs on first use: a group restarted by torch elastic (--max_restarts) otherwise often hangs
+        # forming its full mesh (PITFALLS.md: 14 of 19 restarts ran; with lazy init, see tests/test_pretrain.py)
+        os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     init = InitProcessGroupKwargs(backend="gloo", timeout=timeout) if gloo else InitProcessGroupKwargs(timeout=timeout)
     accelerator = Accelerator(
         mixed_precision=args.mixed_precision,
@@ -92,3 +96,12 @@ def configure_deepspeed(accelerator: Accelerator, args: TrainingArguments) -> No
     config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
     config["train_batch_size"] = args.per_device_train_batch_size * args.gradient_accumulation_steps * accelerator.num_processes
     config["gradient_clipping"] = args.max_grad_norm
+
+
+def all_ranks_ok(accelerator: Accelerator, ok: bool) -> bool:
+    """True on every rank iff `ok` on every rank (so no rank waits for one that gave up)."""
+    if accelerator.num_processes == 1:
+        return ok
+    flag = torch.tensor([1.0 if ok else 0.0], device=accelerator.device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item())

@@ -1,12 +1,21 @@
-"""Health checks the recipes run around training."""
+"""Health checks the recipes run around training: replicas in sync, non-finite steps, stragglers, hangs."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import socket
+import time
 import zlib
+from collections.abc import Iterator
+from datetime import timedelta
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, gather_object
+
+STRAGGLER_EXIT_CODE = 75  # EX_TEMPFAIL: saved and stopped on purpose, to be restarted without the slow rank
 
 
 class DesyncError(RuntimeError):
@@ -35,3 +44,214 @@ def check_replicas_in_sync(accelerator: Accelerator, model: torch.nn.Module) -> 
         raise DesyncError(f"data-parallel replicas diverged: parameter fingerprints by rank {fingerprints}")
     accelerator.print(f"parameters identical on all {len(fingerprints)} ranks: fingerprints {fingerprints}")
     return fingerprints
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-finite loss or gradients
+
+
+class StepGuard:
+    """Non-finite loss or gradient norm, agreed on every rank before the optimizer step.
+
+    One rank's NaN would reach the others through the gradient all-reduce, but not through the
+    loss, and not at all when clipping is off: one all-reduce of a flag makes the decision common,
+    so every rank skips (or rolls back) together. `consecutive` counts bad steps in a row.
+    """
+
+    def __init__(self, accelerator: Accelerator):
+        self.accelerator = accelerator
+        self.consecutive = 0
+
+    def bad(self, loss: torch.Tensor, grad_norm: torch.Tensor | float | None) -> bool:
+        """Whether this step's loss (summed over micro-steps) or gradient norm is non-finite on any rank."""
+        flag = (~torch.isfinite(loss.detach().float())).float().reshape(1)
+        if grad_norm is not None:
+            norm = torch.as_tensor(grad_norm, device=flag.device, dtype=torch.float32)
+            flag = torch.maximum(flag, (~torch.isfinite(norm)).float().reshape(1))
+        if self.accelerator.num_processes > 1:
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        bad = bool(flag.item())
+        self.consecutive = self.consecutive + 1 if bad else 0
+        return bad
+
+
+# ---------------------------------------------------------------------------------------------
+# Stragglers
+
+
+class StragglerDetector:
+    """Per-rank forward time and data wait, compared across ranks every `window` steps.
+
+    Forward time is the compute signal: under DDP, once the buffer sync before each forward is
+    off (done here: the recipes' buffers are constants), the forward pass runs no collective and measures this rank's own speed,
+    while a backward or a step includes waiting for the slowest rank. Under ZeRO-3 and FSDP the
+    forward gathers parameters and the signal is blurred by the others' pace. Every window one
+    all-gather of two numbers per rank; a rank whose time exceeds `factor` x the median for
+    `patience` windows in a row is a straggler. The decision comes from the gathered numbers, so
+    every rank reaches it at the same step with no further communication.
+    """
+
+    def __init__(self, accelerator: Accelerator, model: torch.nn.Module, window: int, factor: float, patience: int):
+        self.accelerator, self.window, self.factor, self.patience = accelerator, window, factor, patience
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model.forward_sync_buffers = False
+        self.cuda = accelerator.device.type == "cuda"
+        self.hosts = gather_object([socket.gethostname()]) if accelerator.num_processes > 1 else [socket.gethostname()]
+        self.streak = [0] * accelerator.num_processes
+        self._compute: list = []
+        self._data = 0.0
+        self._steps = 0
+
+    @contextlib.contextmanager
+    def compute(self) -> Iterator[None]:
+        """Time the enclosed forward pass (CUDA events on a GPU: no synchronisation in the loop)."""
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._compute.append((start, end))
+        else:
+            t = time.perf_counter()
+            yield
+            self._compute.append(time.perf_counter() - t)
+
+    def waited(self, seconds: float) -> None:
+        self._data += seconds
+
+    def step(self) -> tuple[dict[str, float], str | None, list[int]]:
+        """After each optimizer step: ({straggler/rank_i: ratio}, report, slow ranks) at the end of a window, else ({}, None, [])."""
+        self._steps += 1
+        if self.window <= 0 or self._steps < self.window:
+            return {}, None, []
+        if self.cuda:
+            torch.cuda.synchronize()
+            compute = sum(s.elapsed_time(e) for s, e in self._compute) / 1000
+        else:
+            compute = sum(self._compute)
+        mine = torch.tensor([compute / self._steps, self._data / self._steps], device=self.accelerator.device)
+        self._compute, self._data, self._steps = [], 0.0, 0
+        times = self.accelerator.gather(mine.reshape(1, 2)).reshape(-1, 2).double().cpu()
+        total = times.sum(dim=1)
+        median = float(total.sort().values[(len(total) - 1) // 2])  # the lower median: with 2 ranks, the faster one
+        ratios = (total / max(median, 1e-9)).tolist()
+        slow = []
+        for rank, ratio in enumerate(ratios):
+            self.streak[rank] = self.streak[rank] + 1 if ratio > self.factor else 0
+            if self.streak[rank] >= self.patience:
+                slow.append(rank)
+        report = None
+        if slow:
+            med_compute, med_data = (float(c.sort().values[(len(c) - 1) // 2]) for c in times.T)
+            parts = []
+            for rank in slow:
+                c, d = times[rank].tolist()
+                cause = "data loading" if d - med_data > c - med_compute else "compute"
+                parts.append(
+                    f"rank {rank} on {self.hosts[rank]} took {ratios[rank]:.1f}x the median step for {self.streak[rank]} windows "
+                    f"of {self.window} steps (forward {c:.3f}s vs {med_compute:.3f}s, data wait {d:.3f}s vs {med_data:.3f}s): {cause}"
+                )
+            report = "straggler: " + "; ".join(parts)
+        return {f"straggler/rank_{r}": ratio for r, ratio in enumerate(ratios)}, report, slow
+
+
+# ---------------------------------------------------------------------------------------------
+# Hangs
+
+
+class Heartbeat:
+    """Each rank's last finished step in the launcher's key-value store, so a timeout can name the rank that is stuck.
+
+    A collective that times out only says that it timed out; the store still answers, and the
+    rank whose step lags the others' is the one that hung or died.
+    """
+
+    KEY = "infra/heartbeat/{}"
+
+    def __init__(self, accelerator: Accelerator, step_timeout: float):
+        self.accelerator, self.step_timeout = accelerator, step_timeout
+        self.store = None
+        self.shortened = False
+        if accelerator.num_processes > 1:
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            self.store = _get_default_store()
+
+    def beat(self, step: int) -> None:
+        """After each step. The first one also shortens the collective timeout: start-up (compilation, first
+        allocations, loading) is over, from now on a collective that waits long means a rank is gone."""
+        if self.store is None:
+            return
+        self.store.set(self.KEY.format(self.accelerator.process_index), str(step))
+        if not self.shortened and self.step_timeout > 0:
+            from torch.distributed.distributed_c10d import _set_pg_timeout
+
+            _set_pg_timeout(timedelta(seconds=self.step_timeout))
+            self.shortened = True
+
+    def explain(self, error: BaseException) -> str | None:
+        """A one-line diagnosis when `error` is a collective timeout (None for other errors)."""
+        text = str(error)
+        if self.store is None or not any(s in text.lower() for s in ("timed out", "timeout")):
+            return None
+        steps = {}
+        for rank in range(self.accelerator.num_processes):
+            try:
+                self.store.set_timeout(timedelta(seconds=5))
+                steps[rank] = int(self.store.get(self.KEY.format(rank)))
+            except Exception:
+                steps[rank] = -1  # never beat, or the store is gone too
+        ahead = max(steps.values())
+        behind = [r for r, s in steps.items() if s < ahead]
+        where = ", ".join(f"rank {r} at step {steps[r]}" if steps[r] >= 0 else f"rank {r} before its first step" for r in behind)
+        return f"hang: a collective on rank {self.accelerator.process_index} waited past the timeout; " + (
+            f"{where} while the others finished step {ahead}: that rank is hung or dead"
+            if behind
+            else "every rank had finished the same step"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Fault injection for tests
+
+
+FAULTS_ENV = "INFRA_TEST_FAULTS"
+
+
+class Faults:
+    """Test hooks, off unless INFRA_TEST_FAULTS holds JSON such as
+    `{"rank": 1, "nan_batches": [5, 11], "slow_seconds": 0.2, "hang_at_step": 6, "die_at_step": 7}`.
+
+    `nan_batches` poison the loss at those global micro-batches since the run began (a property of
+    the data position, so a rollback that moves past them does not meet them again); the others
+    act on `rank` only: a slower forward pass, a rank that stops forever at a step, or one that dies
+    at a step (in the first incarnation of the group only, so that an elastic restart gets past it).
+    """
+
+    def __init__(self, rank: int):
+        spec = json.loads(os.environ.get(FAULTS_ENV, "{}") or "{}")
+        self.active = spec.get("rank", 1) == rank
+        self.nan_batches = set(spec.get("nan_batches", [])) if self.active else set()
+        self.slow_seconds = float(spec.get("slow_seconds", 0)) if self.active else 0.0
+        self.hang_at_step = spec.get("hang_at_step") if self.active else None
+        # only in the first incarnation of the group: torch elastic counts its restarts
+        first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        self.die_at_step = spec.get("die_at_step") if self.active and first else None
+
+    def poison(self, loss: torch.Tensor, batch: int) -> torch.Tensor:
+        return loss * float("nan") if batch in self.nan_batches else loss
+
+    def slow_down(self) -> None:
+        if self.slow_seconds:
+            time.sleep(self.slow_seconds)
+
+    def maybe_die(self, step: int) -> None:
+        if self.die_at_step is not None and step == self.die_at_step:
+            print(f"test fault: rank dies at step {step}", flush=True)
+            os._exit(1)
+
+    def maybe_hang(self, step: int) -> None:
+        if self.hang_at_step is not None and step == self.hang_at_step:
+            print(f"test fault: rank stops at step {step}", flush=True)
+            while True:
+                time.sleep(3600)

@@ -32,9 +32,20 @@ from infra.checkpoint import CheckpointError, CheckpointManager, SaveSchedule, T
 from infra.config import TrainingArguments, parse_config, require, resolved
 from infra.data import DataCursor, PackedDataset, ResumableLoader, SampleTrace, check_fits_model, eval_batches
 from infra.distributed import build_accelerator
-from infra.health import check_replicas_in_sync
+from infra.health import STRAGGLER_EXIT_CODE, Faults, Heartbeat, StepGuard, StragglerDetector, check_replicas_in_sync
 from infra.metrics import Throughput, flops_per_token, peak_bf16_flops
-from infra.tracking import MetricLogger, end_run, last_logged_step, log_model, run_name_for, run_status, run_tags, start_run
+from infra.preflight import EtaCheck, kept_checkpoints, run_preflight
+from infra.tracking import (
+    MetricLogger,
+    end_run,
+    last_logged_step,
+    log_model,
+    run_name_for,
+    run_status,
+    run_tags,
+    start_run,
+    tracking_uri,
+)
 
 
 @dataclass
@@ -166,6 +177,21 @@ def main(argv: list[str] | None = None) -> None:
     model, optimizer = accelerator.prepare(model, optimizer)
     scheduler = accelerator.prepare_scheduler(build_scheduler(optimizer, args))
 
+    # Preflight: devices, a collective, data, a checkpoint round trip, disk, MLflow; nothing trains if one fails
+    save_seconds = 0.0
+    if args.preflight or args.preflight_only:
+        save_seconds = run_preflight(
+            accelerator,
+            model,
+            dataset,
+            args.output_dir,
+            kept_checkpoints(args),
+            tracking_uri() if args.report_to == "mlflow" else None,
+            data_checksums=args.preflight_only or data_args.verify_data_checksums,
+        )
+        if args.preflight_only:
+            return
+
     # Checkpoints and tracking: resume the newest checkpoint and the same MLflow run
     state = TrainState()
     checkpoints = CheckpointManager(
@@ -186,6 +212,8 @@ def main(argv: list[str] | None = None) -> None:
         state.load_state_dict(manifest)
         cursor.load_state_dict(manifest["cursor"])
     schedule = SaveSchedule(accelerator, args.save_steps, args.save_interval_minutes, args.mtbf_hours, args.preemption_grace_seconds)
+    if save_seconds and args.save_interval_minutes == "auto":  # Young/Daly from the preflight's save, not a default
+        accelerator.print(f"a save takes {save_seconds:.1f}s: saving every {schedule.saved(save_seconds):.1f} min (Young/Daly)")
     run_id = None
     if args.report_to == "mlflow":
         run_id = start_run(
@@ -215,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
         if trace:
             trace.flush()
         start = time.perf_counter()
-        facts = {"tokens_seen": state.tokens_seen, "cursor": cursor.state_dict(), "metrics": metrics, "mlflow_run_id": run_id}
+        facts = {**state.state_dict(), "cursor": cursor.state_dict(), "metrics": metrics, "mlflow_run_id": run_id}
         try:
             checkpoints.save(state.step, {**facts, **job_facts}, background=args.async_save and not last)
         except CheckpointError as err:
@@ -225,67 +253,135 @@ def main(argv: list[str] | None = None) -> None:
             accelerator.print(f"a save takes {seconds:.1f}s: saving every {minutes:.1f} min (Young/Daly, MTBF {args.mtbf_hours:g} h)")
         tracker.log({"checkpoint/save_seconds": seconds, "checkpoint/interval_minutes": schedule.interval / 60}, step=state.step)
 
+    def roll_back() -> None:
+        """After max_bad_steps non-finite steps in a row: the newest checkpoint's weights, optimizer and counters, but the
+        data cursor stays where it is, so the batches since that checkpoint (the offending ones among them) are skipped."""
+        checkpoints.wait()
+        if state.rollbacks >= args.max_rollbacks:
+            raise SystemExit(f"health error: non-finite steps again after {state.rollbacks} rollbacks (max_rollbacks={args.max_rollbacks})")
+        bad_step, position = state.step, repr(cursor)
+        path, manifest = checkpoints.resume("auto", checksums=args.verify_checksums)
+        if path is None:
+            raise SystemExit(
+                f"health error: {args.max_bad_steps} non-finite steps in a row at step {bad_step} and no checkpoint to roll back to"
+            )
+        state.load_state_dict({**manifest, "skipped_steps": state.skipped_steps, "rollbacks": state.rollbacks + 1})
+        metrics.clear()
+        metrics.update(manifest.get("metrics", {}))
+        accelerator.print(
+            f"health: {args.max_bad_steps} non-finite steps in a row at step {bad_step}: rolled back to {path.name}; "
+            f"the data from {DataCursor(**manifest['cursor'])} to {position} is skipped"
+        )
+        tracker.log({"health/rollbacks": state.rollbacks}, step=state.step)
+
     # Training loop
     tokens_per_step = loader.global_batch_size * args.gradient_accumulation_steps * dataset.seq_len
     peak = peak_bf16_flops(torch.cuda.get_device_name(accelerator.device) if accelerator.device.type == "cuda" else None)
     batches = iter(loader)
     meter = Throughput()
+    guard = StepGuard(accelerator)
+    stragglers = StragglerDetector(accelerator, model, args.straggler_window_steps, args.straggler_factor, args.straggler_patience)
+    heartbeat = Heartbeat(accelerator, args.ddp_step_timeout)
+    faults = Faults(accelerator.process_index)  # test hooks; inert unless INFRA_TEST_FAULTS is set
+    eta = EtaCheck(accelerator, state.step, args.max_steps, tokens_per_step, args.time_budget_hours)
     loss_sum, loss_count = torch.zeros((), device=accelerator.device), 0
     bar = tqdm(total=args.max_steps, initial=state.step, desc="train", disable=not accelerator.is_local_main_process)
     model.train()
-    preempted = False
-    while state.step < args.max_steps:
-        for _ in range(args.gradient_accumulation_steps):
-            waiting = time.perf_counter()
-            batch = next(batches).to(accelerator.device, non_blocking=True)
-            meter.waited(time.perf_counter() - waiting)
-            if trace:
-                trace.write(state.step + 1, loader.last_sample_ids)
-            with accelerator.accumulate(model):
-                loss = model(input_ids=batch, labels=batch).loss
-                accelerator.backward(loss)
-            loss_sum += loss.detach()
-            loss_count += 1
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm) if args.max_grad_norm else None
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        state.step += 1
-        state.tokens_seen += tokens_per_step
-        meter.add(tokens_per_step)
-        bar.update()
+    preempted = straggling = False
+    try:
+        while state.step < args.max_steps:
+            step_loss = torch.zeros((), device=accelerator.device)
+            for _ in range(args.gradient_accumulation_steps):
+                waiting = time.perf_counter()
+                batch = next(batches).to(accelerator.device, non_blocking=True)
+                waited = time.perf_counter() - waiting
+                meter.waited(waited)
+                stragglers.waited(waited)
+                if trace:
+                    trace.write(state.step + 1, loader.last_sample_ids)
+                with accelerator.accumulate(model):
+                    with stragglers.compute():
+                        loss = faults.poison(model(input_ids=batch, labels=batch).loss, loader.batches_consumed)
+                        faults.slow_down()
+                    accelerator.backward(loss)
+                step_loss += loss.detach()
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm) if args.max_grad_norm else None
+            skipped = guard.bad(step_loss, grad_norm)  # the same answer on every rank
+            if skipped:
+                state.skipped_steps += 1
+                accelerator.print(f"health: non-finite loss or gradients at step {state.step + 1}: optimizer step skipped")
+            else:
+                optimizer.step()
+                loss_sum += step_loss
+                loss_count += args.gradient_accumulation_steps
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            state.step += 1
+            state.tokens_seen += tokens_per_step
+            meter.add(tokens_per_step)
+            bar.update()
+            faults.maybe_hang(state.step)
+            faults.maybe_die(state.step)
+            heartbeat.beat(state.step)
+            if pace := eta.step(state.step):
+                tracker.log(pace, step=state.step)
+            if skipped:
+                tracker.log({"health/skipped_steps": state.skipped_steps}, step=state.step)
+                if guard.consecutive >= args.max_bad_steps:
+                    if args.on_bad_steps == "stop":
+                        raise SystemExit(
+                            f"health error: {guard.consecutive} non-finite steps in a row at step {state.step} (on_bad_steps=stop)"
+                        )
+                    roll_back()
+                    guard.consecutive, loss_count = 0, 0
+                    loss_sum.zero_()
+                    bar.n = state.step
+                    if trace:
+                        trace.close()
+                        trace = SampleTrace(args.output_dir, accelerator.process_index, state.step)
+                    continue
 
-        if state.step % args.logging_steps == 0 or state.step == args.max_steps:
-            mean_loss = accelerator.reduce(loss_sum, "mean").item() / loss_count
-            loss_sum.zero_()
-            loss_count = 0
-            logged = {
-                "train/loss": mean_loss,
-                "train/learning_rate": scheduler.get_last_lr()[0],
-                "train/tokens_seen": state.tokens_seen,
-                "train/epoch": cursor.epoch,
-            }
-            logged.update({f"perf/{k}": v for k, v in meter.rate().items()})
-            if peak:  # model FLOPs utilisation, only where the device's peak is known: never a wrong number
-                logged["perf/mfu"] = logged["perf/tokens_per_second"] * flops / (peak * accelerator.num_processes)
-            if grad_norm is not None:
-                logged["train/grad_norm"] = float(grad_norm)
-            if not math.isfinite(mean_loss):
-                accelerator.print(f"warning: non-finite loss {mean_loss} at step {state.step}")
-            tracker.log(logged, step=state.step)
-            metrics |= logged  # the latest of each metric, eval included: checkpoints and keep_best read them
-            bar.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{logged['perf/tokens_per_second']:.0f}")
-        if len(held_out) and (state.step == args.max_steps or (args.eval_steps and state.step % args.eval_steps == 0)):
-            scores = evaluate(accelerator, model, held_out, args.per_device_eval_batch_size)
-            metrics.update(scores)  # kept until the next eval: keep_best may rank checkpoints by eval/loss
-            tracker.log(scores, step=state.step)
-            if accelerator.is_main_process:
-                bar.write(f"step {state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
-        save_now, preempted = schedule.check(state.step)  # the same answer on every rank
-        if save_now or state.step == args.max_steps:
-            save(last=preempted or state.step == args.max_steps)
-        if preempted:
-            break
+            if state.step % args.logging_steps == 0 or state.step == args.max_steps:
+                # (no loss when every step of the window was skipped; the count is the same on every rank)
+                mean_loss = accelerator.reduce(loss_sum, "mean").item() / loss_count if loss_count else math.nan
+                logged = {
+                    **({"train/loss": mean_loss} if loss_count else {}),
+                    "train/learning_rate": scheduler.get_last_lr()[0],
+                    "train/tokens_seen": state.tokens_seen,
+                    "train/epoch": cursor.epoch,
+                }
+                logged.update({f"perf/{k}": v for k, v in meter.rate().items()})
+                if peak:  # model FLOPs utilisation, only where the device's peak is known: never a wrong number
+                    logged["perf/mfu"] = logged["perf/tokens_per_second"] * flops / (peak * accelerator.num_processes)
+                if grad_norm is not None:
+                    logged["train/grad_norm"] = float(grad_norm)
+                tracker.log(logged, step=state.step)
+                metrics |= logged  # the latest of each metric, eval included: checkpoints and keep_best read them
+                loss_sum.zero_()
+                loss_count = 0
+                bar.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{logged['perf/tokens_per_second']:.0f}")
+            ratios, report, slow = stragglers.step()  # decided from gathered timings: the same on every rank
+            if ratios:
+                tracker.log(ratios, step=state.step)
+            if report:
+                accelerator.print(report)
+                straggling = bool(slow) and args.straggler_action == "checkpoint_and_exit"
+            if len(held_out) and (state.step == args.max_steps or (args.eval_steps and state.step % args.eval_steps == 0)):
+                scores = evaluate(accelerator, model, held_out, args.per_device_eval_batch_size)
+                metrics.update(scores)  # kept until the next eval: keep_best may rank checkpoints by eval/loss
+                tracker.log(scores, step=state.step)
+                if accelerator.is_main_process:
+                    bar.write(f"step {state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
+            save_now, preempted = schedule.check(state.step)  # the same answer on every rank
+            last = preempted or straggling or state.step == args.max_steps
+            if last or (save_now and guard.consecutive == 0):  # no scheduled save amid non-finite steps: a rollback target stays clean
+                save(last=last)
+            if preempted or straggling:
+                break
+    except Exception as err:  # a collective that timed out: name the rank that hung
+        if (why := heartbeat.explain(err)) is not None:
+            raise SystemExit(why) from err
+        raise
     bar.close()
     schedule.close()
     if trace:
@@ -295,6 +391,13 @@ def main(argv: list[str] | None = None) -> None:
         tracker.close()
         end_run("KILLED")
         return
+    if straggling:
+        accelerator.print(
+            f"straggler: saved step {state.step}; exiting with code {STRAGGLER_EXIT_CODE} so the job restarts without the slow rank"
+        )
+        tracker.close()
+        end_run("KILLED")
+        raise SystemExit(STRAGGLER_EXIT_CODE)
     check_replicas_in_sync(accelerator, model)
 
     # Export: safetensors weights + tokenizer that load with from_pretrained

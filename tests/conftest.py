@@ -42,7 +42,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_command(accelerate_config: str, recipe_args: list[str], tmp_path: Path, recipe: str = "pretrain_clm", num_processes: int = 2):
+def launch_command(
+    accelerate_config: str,
+    recipe_args: list[str],
+    tmp_path: Path,
+    recipe: str = "pretrain_clm",
+    num_processes: int = 2,
+    launcher_args: tuple[str, ...] = (),
+):
     """`accelerate launch --config_file accelerate_configs/X recipes/R.py ...`, as the README shows it, and its environment.
 
     The only environment added is where MLflow writes (a store in tmp_path).
@@ -57,6 +64,7 @@ def launch_command(accelerate_config: str, recipe_args: list[str], tmp_path: Pat
         str(num_processes),
         "--main_process_port",
         str(free_port()),
+        *launcher_args,
         str(REPO / "recipes" / f"{recipe}.py"),
         *recipe_args,
     ]

@@ -157,6 +157,11 @@ class ResumableLoader:
     def batches_per_epoch(self) -> int:
         return len(self.dataset) // self.global_batch_size
 
+    @property
+    def batches_consumed(self) -> int:
+        """Global batches handed out since the first epoch began: a position in the data, whatever the restarts."""
+        return self.cursor.epoch * self.batches_per_epoch + self.cursor.samples_consumed // self.global_batch_size
+
     def __iter__(self) -> Iterator[torch.Tensor]:
         while True:
             order = EpochOrder(self.shard_sizes, self.seed, self.cursor.epoch, self.shuffle_window)

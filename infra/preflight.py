@@ -1,0 +1,261 @@
+"""Preflight: what can be known to fail before hours of training are spent, checked in seconds.
+
+Run before every recipe's training loop (`--preflight false` skips it) and alone by `make doctor`
+(`--preflight_only true`): the accelerators and their free memory on every rank, a collective
+across all ranks, the data index, a real `save_state`/`load_state` round trip of the configured
+model and optimizer (timed, and compared), free disk in `output_dir` against what the kept
+checkpoints will take (measured from that round trip), and the MLflow store. It prints one table;
+any failure ends the run with exit code 1 before a step is taken, each with its own message.
+After the first steps, `EtaCheck` prints steps/s, tokens/s and the time to `max_steps`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, gather_object
+
+from infra.checkpoint import seal
+from infra.distributed import all_ranks_ok
+from infra.health import parameter_fingerprint
+
+GIB = 1 << 30
+
+
+class PreflightError(SystemExit):
+    """A preflight check failed: the message names the check and what to do."""
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:.3g} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return ""
+
+
+def accelerators(accelerator: Accelerator) -> Check:
+    """Device type, name and free memory of every rank (gathered: one line for the whole job)."""
+    device = accelerator.device
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        mine = f"{torch.cuda.get_device_name(device)} {free / GIB:.1f}/{total / GIB:.1f} GiB free"
+    else:
+        import psutil
+
+        mem = psutil.virtual_memory()
+        mine = f"cpu {mem.available / GIB:.1f}/{mem.total / GIB:.1f} GiB free"
+    every = gather_object([f"{socket.gethostname()}:{mine}"]) if accelerator.num_processes > 1 else [mine]
+    kinds = sorted(set(every), key=every.index)
+    return Check("accelerators", True, f"{accelerator.num_processes} ranks ({accelerator.distributed_type.value}): " + "; ".join(kinds[:4]))
+
+
+def collective(accelerator: Accelerator) -> Check:
+    """An all-reduce across every rank, timed, and its result checked."""
+    if accelerator.num_processes == 1:
+        return Check("collective", True, "one process: none needed")
+    start = time.perf_counter()
+    x = torch.tensor([float(accelerator.process_index)], device=accelerator.device)
+    torch.distributed.all_reduce(x)
+    seconds = time.perf_counter() - start
+    want = accelerator.num_processes * (accelerator.num_processes - 1) / 2
+    ok = float(x.item()) == want
+    detail = f"all-reduce across {accelerator.num_processes} ranks in {seconds * 1000:.0f} ms"
+    return Check("collective", ok, detail if ok else f"all-reduce returned {x.item()}, expected {want}: the ranks do not form one group")
+
+
+def data(dataset, checksums: bool) -> Check:
+    """The index and every shard's size (and sha256 with `checksums`), as the reader will see them."""
+    from infra.data.shards import DataError, verify
+
+    try:
+        verify(dataset.data_dir, dataset.index, checksums=checksums)
+    except DataError as err:
+        return Check("data", False, str(err))
+    how = "sizes and sha256 verified" if checksums else "sizes verified (sha256 with verify_data_checksums)"
+    return Check("data", True, f"{len(dataset):,} samples of {dataset.seq_len} tokens in {len(dataset.index.shards)} shards, {how}")
+
+
+def writable(output_dir: str | os.PathLike) -> Check:
+    out = Path(output_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".preflight_write_{os.getpid()}"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as err:
+        return Check("output_dir", False, f"output_dir={str(out)!r} is not writable ({err.strerror or err})")
+    return Check("output_dir", True, f"{out.resolve()} writable")
+
+
+def round_trip(accelerator: Accelerator, model: torch.nn.Module, output_dir: str | os.PathLike) -> tuple[Check, int, float]:
+    """save_state, fsync and checksum, perturb the weights, load_state: the weights must come back bit for bit.
+
+    Returns the check, the bytes one checkpoint takes and the seconds a save takes. The state is the
+    one training starts from (loading restores it, RNG included), so the run is unchanged by it.
+    """
+    scratch = Path(output_dir) / ".preflight_checkpoint"
+    if accelerator.is_main_process:
+        shutil.rmtree(scratch, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    sharded = accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
+    unwrapped = accelerator.unwrap_model(model)
+    before = None if sharded else parameter_fingerprint(unwrapped)
+    try:
+        start = time.perf_counter()
+        accelerator.save_state(str(scratch))
+        files = seal(scratch) if accelerator.is_main_process else {}
+        accelerator.wait_for_everyone()
+        save_seconds = time.perf_counter() - start
+        if not sharded:
+            with torch.no_grad():
+                for p in unwrapped.parameters():
+                    p.add_(1.0)
+        start = time.perf_counter()
+        accelerator.load_state(str(scratch))
+        load_seconds = time.perf_counter() - start
+    except Exception as err:
+        return Check("checkpoint", False, f"save_state/load_state round trip in {scratch} failed: {type(err).__name__}: {err}"), 0, 0.0
+    finally:
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            shutil.rmtree(scratch, ignore_errors=True)
+    size = sum(f["size"] for f in files.values())
+    if not sharded and parameter_fingerprint(unwrapped) != before:
+        return Check("checkpoint", False, f"the weights loaded back from {scratch} differ from those saved"), size, save_seconds
+    how = "weights identical after the round trip" if not sharded else "saved and loaded (sharded: not compared)"
+    detail = f"save {save_seconds:.2f}s, load {load_seconds:.2f}s, {_size(size)} on rank 0's disk; {how}"
+    return Check("checkpoint", True, detail), size, save_seconds
+
+
+def disk(output_dir: str | os.PathLike, checkpoint_bytes: int, kept: int, export_bytes: int) -> Check:
+    """Free space against `kept` checkpoints, one more being written, and the exported model."""
+    need = checkpoint_bytes * (kept + 1) + export_bytes
+    free = shutil.disk_usage(Path(output_dir)).free
+    detail = f"{_size(free)} free in {output_dir}; checkpoints need ~{_size(need)} ({kept} kept + 1 being written, and the export)"
+    if free < need:
+        return Check("disk", False, detail + ": free space, or lower save_total_limit or keep_best")
+    return Check("disk", True, detail)
+
+
+def mlflow_store(uri: str, fresh: bool) -> Check:
+    """A server answers /health; a sqlite file's folder is writable. Unreachable fails a fresh run only:
+    a resumed one (a requeue at 3 a.m.) goes on and logs to the local store instead."""
+    if uri.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=5) as reply:
+                ok = reply.status == 200
+        except OSError as err:
+            ok, why = False, str(getattr(err, "reason", err))
+        else:
+            why = "" if ok else "not healthy"
+        if not ok:
+            detail = f"MLFLOW_TRACKING_URI={uri} is unreachable ({why})"
+            if fresh:
+                return Check("mlflow", False, detail + ": start the server, fix the URI, or pass --report_to none")
+            return Check("mlflow", True, detail + "; resuming, so this run logs to the local store")
+        return Check("mlflow", True, f"{uri} reachable")
+    if uri.startswith("sqlite:///"):
+        folder = Path(uri[len("sqlite:///") :]).parent
+        ok = folder.is_dir() and os.access(folder, os.W_OK)
+        return Check("mlflow", ok, f"{uri} {'writable' if ok else 'is in a folder that is missing or not writable'}")
+    return Check("mlflow", True, f"{uri} (not checked)")
+
+
+def kept_checkpoints(args) -> int:
+    """How many checkpoints the retention settings of `args` (TrainingArguments) keep at most."""
+    saves = args.max_steps // args.save_steps + 1 if args.save_steps else 1
+    kept = min(args.save_total_limit, saves) if args.save_total_limit is not None else saves
+    milestones = args.max_steps // args.save_milestone_steps if args.save_milestone_steps else 0
+    return min(saves, kept + args.keep_best + milestones)
+
+
+def report(checks: list[Check]) -> str:
+    width = max(len(c.name) for c in checks)
+    return "preflight\n" + "\n".join(f"  {'ok  ' if c.ok else 'FAIL'}  {c.name:<{width}}  {c.detail}" for c in checks)
+
+
+def run_preflight(
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    dataset,
+    output_dir: str,
+    kept_checkpoints: int,
+    tracking_uri: str | None,
+    data_checksums: bool = False,
+) -> float:
+    """Every check, one table on rank 0; raises PreflightError (exit 1) on every rank if a check failed on any.
+
+    Files (data, output_dir, disk, the MLflow store) are checked by rank 0, as rank 0 is the one
+    that writes checkpoints' manifests and talks to MLflow; every rank joins the collective and
+    the round trip. Returns the seconds a save took.
+    """
+    main = accelerator.is_main_process
+    checks = [accelerators(accelerator), collective(accelerator)]
+    if main:
+        checks += [data(dataset, data_checksums), writable(output_dir)]
+    can_save = all_ranks_ok(accelerator, all(c.ok for c in checks))
+    save_seconds = 0.0
+    if can_save:
+        check, size, save_seconds = round_trip(accelerator, model, output_dir)
+        checks.append(check)
+        if main:
+            export = 4 * sum(p.numel() for p in accelerator.unwrap_model(model).parameters())
+            checks.append(disk(output_dir, size, kept_checkpoints, export))
+    if main and tracking_uri is not None:
+        fresh = not any(Path(output_dir, "checkpoints").glob("step_*/manifest.json"))
+        checks.append(mlflow_store(tracking_uri, fresh))
+    mine = [f"{c.name}: {c.detail}" + (f" (rank {accelerator.process_index})" if not main else "") for c in checks if not c.ok]
+    failed = [f for rank in gather_object([mine]) for f in rank] if accelerator.num_processes > 1 else mine
+    accelerator.print(report(checks))
+    if failed:
+        raise PreflightError("preflight failed: " + "; ".join(dict.fromkeys(failed)))
+    return save_seconds
+
+
+class EtaCheck:
+    """After `after` steps from the start (the first excluded: it compiles and allocates), the pace and the time to the end."""
+
+    def __init__(
+        self, accelerator: Accelerator, start_step: int, max_steps: int, tokens_per_step: int, budget_hours: float, after: int = 10
+    ):
+        self.accelerator, self.start_step, self.max_steps = accelerator, start_step, max_steps
+        self.tokens_per_step, self.budget_hours, self.after = tokens_per_step, budget_hours, after
+        self._t0: float | None = None
+
+    def step(self, step: int) -> dict[str, float]:
+        if step == self.start_step + 1:
+            self._t0 = time.perf_counter()
+        if self._t0 is None or step != self.start_step + 1 + self.after:
+            return {}
+        rate = self.after / (time.perf_counter() - self._t0)
+        hours = (self.max_steps - step) / rate / 3600
+        self.accelerator.print(
+            f"pace: {rate:.2f} steps/s, {rate * self.tokens_per_step:,.0f} tokens/s; "
+            f"{self.max_steps - step} steps to go take ~{_hours(hours)}"
+        )
+        if self.budget_hours and hours > self.budget_hours:
+            self.accelerator.print(
+                f"warning: the run needs ~{_hours(hours)} more, over time_budget_hours={self.budget_hours:g}: "
+                "lower max_steps, or add GPUs (python -m infra.plan)"
+            )
+        return {"perf/eta_hours": hours}
+
+
+def _hours(h: float) -> str:
+    return f"{h * 60:.1f} min" if h < 1 else f"{h:.1f} h"

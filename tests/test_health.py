@@ -1,0 +1,133 @@
+"""Health under real `accelerate launch`: non-finite steps skipped and rolled back, a slow rank, a hung rank."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import pytest
+import torch
+
+from infra.health import FAULTS_ENV, STRAGGLER_EXIT_CODE
+from tests.conftest import REPO, launch_command
+from tests.test_pretrain import global_order, global_sequence, recipe_args, weights
+
+pytestmark = pytest.mark.multiprocess
+
+
+def run(args: list[str], tmp_path, faults: dict, num_processes: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd, env = launch_command("cpu.yaml", args, tmp_path, num_processes=num_processes)
+    return subprocess.run(cmd, cwd=REPO, env={**env, FAULTS_ENV: json.dumps(faults)}, capture_output=True, text=True, timeout=timeout)
+
+
+def manifest(out, step: int) -> dict:
+    return json.loads((out / "checkpoints" / f"step_{step:08d}" / "manifest.json").read_text())
+
+
+def test_non_finite_steps_are_skipped_then_rolled_back_past_the_bad_data(small_data, tmp_path):
+    """Rank 1's loss is NaN at micro-batch 5 (step 3: skipped), then at 13, 15, 17 (steps 7-9: three in a row).
+
+    Every rank skips the same steps; at step 9 the run returns to the checkpoint of step 4 (the one at
+    step 8 was not written amid bad steps) and goes on from the data position it had reached."""
+    out = tmp_path / "out"
+    args = recipe_args(small_data, out, 12, "--report_to", "none", "--max_bad_steps", "3")
+    proc = run(args, tmp_path, {"rank": 1, "nan_batches": [5, 13, 15, 17]})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rolled back to step_00000004" in proc.stdout and "pace: " in proc.stdout  # the ETA after the first steps
+    final = manifest(out, 12)
+    assert final["skipped_steps"] == 4 and final["rollbacks"] == 1
+    # steps 1-4 took micro-batches 1-8; after the rollback steps 5-12 took 19-34: the 10 since the checkpoint are skipped
+    order = global_order(small_data, 1, 2)
+    batch = 2 * 4  # samples per global micro-batch
+    assert global_sequence(out, 2) == order[: 8 * batch] + order[18 * batch : 34 * batch]
+    assert all(torch.isfinite(w).all() for w in weights(out).values())
+
+    # with on_bad_steps=stop the run ends at the second bad step in a row, with a message, and exports nothing
+    stop = tmp_path / "stop"
+    args = recipe_args(small_data, stop, 12, "--report_to", "none", "--max_bad_steps", "2", "--on_bad_steps", "stop")
+    proc = run(args, tmp_path, {"rank": 0, "nan_batches": [5, 6, 7, 8]}, num_processes=1)
+    assert proc.returncode != 0
+    assert "health error: 2 non-finite steps in a row at step 4 (on_bad_steps=stop)" in proc.stderr
+    assert not (stop / "final").exists()
+
+
+def test_a_slow_rank_is_named_then_the_job_saves_and_exits_with_its_code(small_data, tmp_path):
+    out = tmp_path / "out"
+    args = recipe_args(small_data, out, 12, "--straggler_window_steps", "2", "--straggler_patience", "2")
+    args += ["--straggler_factor", "1.5", "--straggler_action", "checkpoint_and_exit"]
+    proc = run(args, tmp_path, {"rank": 1, "slow_seconds": 0.3})
+    assert proc.returncode != 0
+    assert f"exitcode  : {STRAGGLER_EXIT_CODE}" in proc.stdout + proc.stderr  # every rank's code, as torch elastic reports it
+    assert "straggler: rank 1 on" in proc.stdout and "for 2 windows of 2 steps" in proc.stdout and "): compute" in proc.stdout
+    assert manifest(out, 4)["step"] == 4 and not (out / "final").exists()  # saved at the step it was decided, then stopped
+
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (found,) = client.search_runs([client.get_experiment_by_name("pretrain_clm").experiment_id])
+    ratios = {r: [m.value for m in client.get_metric_history(found.info.run_id, f"straggler/rank_{r}")] for r in (0, 1)}
+    assert ratios[0] == [1.0, 1.0] and min(ratios[1]) > 1.5
+    assert found.info.status == "KILLED"
+
+
+def test_a_hung_rank_fails_the_job_within_the_timeout_and_is_named(small_data, tmp_path):
+    args = recipe_args(small_data, tmp_path / "out", 12, "--report_to", "none", "--ddp_step_timeout", "5")
+    args += ["--preemption_grace_seconds", "5"]  # how long the hung rank may take to go once told to stop
+    start = time.monotonic()
+    proc = run(args, tmp_path, {"rank": 1, "hang_at_step": 3}, timeout=240)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 120
+    assert "hang: a collective on rank 0 waited past the timeout; rank 1 at step 2 while the others finished step 3" in proc.stderr
+
+
+def test_preflight_checks_each_fail_with_their_own_message(tmp_path):
+    from infra.preflight import disk, kept_checkpoints, mlflow_store, writable
+    from tests.conftest import free_port
+
+    assert disk(tmp_path, 10, 2, 5).ok
+    small = disk(tmp_path, 10**16, 2, 0)  # 30 PB: more than any disk here
+    assert not small.ok and "checkpoints need ~30 PB (2 kept + 1 being written" in small.detail
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    where = writable(blocker / "out")
+    assert not where.ok and where.detail.startswith(f"output_dir='{blocker / 'out'}' is not writable")
+    down = f"http://127.0.0.1:{free_port()}"
+    assert not mlflow_store(down, fresh=True).ok and "is unreachable" in mlflow_store(down, fresh=True).detail
+    assert mlflow_store(down, fresh=False).ok  # a resumed run goes on, logging to the local store
+    assert not mlflow_store(f"sqlite:///{blocker}/mlflow.db", fresh=True).ok
+
+    class Args:
+        max_steps, save_steps, save_total_limit, keep_best, save_milestone_steps = 1000, 100, 2, 1, 500
+
+    assert kept_checkpoints(Args) == 5  # 2 newest + 1 best + 2 milestones
+    Args.save_total_limit = None
+    assert kept_checkpoints(Args) == 11  # every save
+
+
+def test_doctor_runs_every_check_and_refuses_damaged_data_or_an_unreachable_store(small_data, tmp_path):
+    import shutil
+
+    from tests.conftest import free_port
+
+    out = tmp_path / "out"
+    proc = run(recipe_args(small_data, out, 12, "--preflight_only", "true"), tmp_path, {})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for check in ("accelerators  2 ranks", "collective    all-reduce across 2 ranks", "sizes and sha256 verified", "weights identical"):
+        assert check in proc.stdout
+    assert sorted(p.name for p in out.iterdir()) == []  # the round trip cleans up; nothing trained, no run
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(small_data, damaged)
+    shard = next(damaged.glob("**/*.npy"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # same size: only a checksum sees it
+    shard.write_bytes(bytes(data))
+    proc = run(recipe_args(damaged, out, 12, "--preflight_only", "true"), tmp_path, {}, num_processes=1)
+    assert proc.returncode == 1 and f"preflight failed: data: {shard} does not match the sha256" in proc.stderr
+
+    cmd, env = launch_command("cpu.yaml", recipe_args(small_data, out, 12), tmp_path, num_processes=1)
+    env["MLFLOW_TRACKING_URI"] = uri = f"http://127.0.0.1:{free_port()}"
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and f"preflight failed: mlflow: MLFLOW_TRACKING_URI={uri} is unreachable" in proc.stderr
+    assert not (out / "checkpoints").exists()
