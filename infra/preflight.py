@@ -214,9 +214,9 @@ def run_preflight(
     if can_save:
         check, size, save_seconds = round_trip(accelerator, model, output_dir)
         checks.append(check)
-        if main:
+        if main:  # before the first step AdamW holds no moments yet: a checkpoint will take 12 bytes per parameter at least
             export = 4 * sum(p.numel() for p in accelerator.unwrap_model(model).parameters())
-            checks.append(disk(output_dir, size, kept_checkpoints, export))
+            checks.append(disk(output_dir, max(size, 3 * export), kept_checkpoints, export))
     if main and tracking_uri is not None:
         fresh = not any(Path(output_dir, "checkpoints").glob("step_*/manifest.json"))
         checks.append(mlflow_store(tracking_uri, fresh))

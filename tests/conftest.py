@@ -49,6 +49,7 @@ def launch_command(
     recipe: str = "pretrain_clm",
     num_processes: int = 2,
     launcher_args: tuple[str, ...] = (),
+    launcher: tuple[str, ...] = (str(BIN / "accelerate"), "launch"),
 ):
     """`accelerate launch --config_file accelerate_configs/X recipes/R.py ...`, as the README shows it, and its environment.
 
@@ -56,8 +57,7 @@ def launch_command(
     """
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
     cmd = [
-        str(BIN / "accelerate"),
-        "launch",
+        *launcher,
         "--config_file",
         str(REPO / "accelerate_configs" / accelerate_config),
         "--num_processes",

@@ -131,3 +131,18 @@ def test_doctor_runs_every_check_and_refuses_damaged_data_or_an_unreachable_stor
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and f"preflight failed: mlflow: MLFLOW_TRACKING_URI={uri} is unreachable" in proc.stderr
     assert not (out / "checkpoints").exists()
+
+
+def test_doctor_refuses_a_disk_too_small_for_the_checkpoints_it_keeps(small_data, tmp_path):
+    """A 2 MB tmpfs: the preflight's own round trip fits, three checkpoints and the export do not."""
+    disk = tmp_path / "small_disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root); test_preflight_checks_each_fail_with_their_own_message covers the check")
+    try:
+        args = recipe_args(small_data, disk / "out", 12, "--preflight_only", "true", "--report_to", "none")
+        proc = run(args, tmp_path, {}, num_processes=1)
+        assert proc.returncode == 1 and "preflight failed: disk: " in proc.stderr and "(2 kept + 1 being written" in proc.stderr
+        assert "ok    checkpoint" in proc.stdout  # the round trip itself fitted
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)

@@ -240,9 +240,9 @@ def test_elastic_resume_continues_the_global_order(before, after, small_data, tm
     assert both == global_order(small_data, epochs=1, world_size=1)[: len(both)]
 
 
-def start(args: list[str], tmp_path: Path, **env) -> subprocess.Popen:
+def start(args: list[str], tmp_path: Path, launcher: tuple[str, ...] | None = None, **env) -> subprocess.Popen:
     """A launch in its own process group (so the test can kill all of it), output to files."""
-    cmd, base_env = launch_command("cpu.yaml", args, tmp_path)
+    cmd, base_env = launch_command("cpu.yaml", args, tmp_path, **({"launcher": launcher} if launcher else {}))
     tmp_path.mkdir(parents=True, exist_ok=True)
     log = tmp_path / f"launch{len(list(tmp_path.glob('launch*.log')))}.log"
     with open(log, "w") as f:
@@ -332,6 +332,23 @@ def test_sigterm_saves_exits_zero_and_resumes_exactly(small_data, tmp_path):
     assert run.info.status == "FINISHED"
     assert launch("cpu.yaml", recipe_args(small_data, b / "out", end, "--report_to", "none", *long_run), b).returncode == 0
     assert_same_weights(a / "out", b / "out")
+
+
+def test_a_signal_to_every_process_of_the_job_saves_and_exits_zero(small_data, tmp_path):
+    """SLURM's `--signal=USR1@T` signals every process of the job step, the launcher too: through infra.launch the
+    launcher lets it pass (Python's default would end it at once), and the training processes save and exit 0."""
+    out = tmp_path / "out"
+    args = recipe_args(small_data, out, 100000, "--warmup_steps", "100000", "--report_to", "none")
+    proc = start(args, tmp_path, launcher=(str(BIN / "python"), "-m", "infra.launch"))
+    wait_for(lambda: (out / "checkpoints" / "step_00000004" / "manifest.json").exists(), proc)
+    import psutil
+
+    launcher = psutil.Process(proc.pid)
+    for p in [launcher, *launcher.children(recursive=True)]:  # what SLURM's cgroup tracking signals: every process
+        p.send_signal(signal.SIGUSR1)
+    assert proc.wait(timeout=120) == 0
+    assert "preempted (SIGTERM/SIGUSR1): saved step" in (tmp_path / "launch0.log").read_text()
+    assert int(sorted((out / "checkpoints").glob("step_*"))[-1].name[len("step_") :]) > 4
 
 
 def elastic_restart(small_data, tmp_path, die_at_step: int) -> subprocess.CompletedProcess:
