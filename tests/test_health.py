@@ -126,11 +126,14 @@ def test_doctor_runs_every_check_and_refuses_damaged_data_or_an_unreachable_stor
     proc = run(recipe_args(damaged, out, 12, "--preflight_only", "true"), tmp_path, {}, num_processes=1)
     assert proc.returncode == 1 and f"preflight failed: data: {shard} does not match the sha256" in proc.stderr
 
-    cmd, env = launch_command("cpu.yaml", recipe_args(small_data, out, 12), tmp_path, num_processes=1)
+    # a training run (not the doctor) whose output_dir cannot be created and whose tracking server is down: both named
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    cmd, env = launch_command("cpu.yaml", recipe_args(small_data, blocker / "out", 12), tmp_path, num_processes=1)
     env["MLFLOW_TRACKING_URI"] = uri = f"http://127.0.0.1:{free_port()}"
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1 and f"preflight failed: mlflow: MLFLOW_TRACKING_URI={uri} is unreachable" in proc.stderr
-    assert not (out / "checkpoints").exists()
+    assert proc.returncode == 1 and f"preflight failed: output_dir: output_dir='{blocker / 'out'}' is not writable" in proc.stderr
+    assert f"; mlflow: MLFLOW_TRACKING_URI={uri} is unreachable" in proc.stderr
 
 
 def test_doctor_refuses_a_disk_too_small_for_the_checkpoints_it_keeps(small_data, tmp_path):

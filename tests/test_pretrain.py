@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -339,14 +340,21 @@ def test_a_signal_to_every_process_of_the_job_saves_and_exits_zero(small_data, t
     launcher lets it pass (Python's default would end it at once), and the training processes save and exit 0."""
     out = tmp_path / "out"
     args = recipe_args(small_data, out, 100000, "--warmup_steps", "100000", "--report_to", "none")
-    proc = start(args, tmp_path, launcher=(str(BIN / "python"), "-m", "infra.launch"))
-    wait_for(lambda: (out / "checkpoints" / "step_00000004" / "manifest.json").exists(), proc)
     import psutil
 
+    proc = start(args, tmp_path, launcher=(str(BIN / "python"), "-m", "infra.launch"))
     launcher = psutil.Process(proc.pid)
-    for p in [launcher, *launcher.children(recursive=True)]:  # what SLURM's cgroup tracking signals: every process
-        p.send_signal(signal.SIGUSR1)
-    assert proc.wait(timeout=120) == 0
+    workers = []
+    try:
+        wait_for(lambda: (out / "checkpoints" / "step_00000004" / "manifest.json").exists(), proc)
+        workers = launcher.children(recursive=True)
+        for p in [launcher, *workers]:  # what SLURM's cgroup tracking signals: every process
+            p.send_signal(signal.SIGUSR1)
+        assert proc.wait(timeout=120) == 0
+    finally:  # torch elastic starts the ranks in sessions of their own: a failed test must not leave them running
+        for p in [launcher, *workers]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
     assert "preempted (SIGTERM/SIGUSR1): saved step" in (tmp_path / "launch0.log").read_text()
     assert int(sorted((out / "checkpoints").glob("step_*"))[-1].name[len("step_") :]) > 4
 

@@ -169,9 +169,7 @@ class PackedDataset(torch.utils.data.Dataset):
 
     def __getitems__(self, ids: list[int]) -> torch.Tensor:
         """A batch as one tensor (the DataLoader calls this instead of `__getitem__` per sample)."""
-        ids = np.asarray(ids, dtype=np.int64)
-        if len(ids) and (ids.min() < 0 or ids.max() >= len(self)):
-            raise IndexError(f"sample ids {ids.min()}..{ids.max()} outside [0, {len(self)})")
+        ids = _sample_ids(ids, len(self))
         shards = np.searchsorted(self._starts, ids, side="right") - 1
         rows = (ids - self._starts[shards]).tolist()
         out = np.empty((len(ids), self.seq_len), dtype=np.int64)
@@ -219,7 +217,12 @@ class SampleRange(torch.utils.data.Dataset):
         return self.__getitems__([i])[0]
 
     def __getitems__(self, ids: list[int]) -> torch.Tensor:
-        ids = np.asarray(ids, dtype=np.int64)
-        if len(ids) and (ids.min() < 0 or ids.max() >= len(self)):
-            raise IndexError(f"sample ids {ids.min()}..{ids.max()} outside [0, {len(self)})")
-        return self.parent.__getitems__(ids + self.start)
+        return self.parent.__getitems__(_sample_ids(ids, len(self)) + self.start)
+
+
+def _sample_ids(ids, n: int) -> np.ndarray:
+    """`ids` as an int64 array, each checked to lie in [0, n)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    if len(ids) and (ids.min() < 0 or ids.max() >= n):
+        raise IndexError(f"sample ids {ids.min()}..{ids.max()} outside [0, {n})")
+    return ids
