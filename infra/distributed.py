@@ -73,7 +73,10 @@ def check_world(accelerator: Accelerator) -> None:
     """Refuse a launch whose processes do not form the job the launcher asked for."""
     engine = requested_engine()
     if engine is not None and accelerator.distributed_type != engine:
-        raise LaunchError(f"the accelerate config asks for {engine.value} but this process runs {accelerator.distributed_type.value}")
+        hint = ""
+        if engine == DistributedType.FSDP and not torch.cuda.is_available():
+            hint = ": accelerate runs FSDP on accelerators only (not on CPU processes); here use cpu.yaml, zero2.yaml or zero3.yaml"
+        raise LaunchError(f"the accelerate config asks for {engine.value} but this process runs {accelerator.distributed_type.value}{hint}")
     launched = launched_world_size()
     if accelerator.num_processes != launched:
         raise LaunchError(

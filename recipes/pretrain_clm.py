@@ -31,7 +31,7 @@ from transformers import (
 from infra.checkpoint import CheckpointError, CheckpointManager, SaveSchedule, TrainState, environment_facts, write_model_card
 from infra.config import TrainingArguments, parse_config, require, resolved
 from infra.data import DataCursor, PackedDataset, ResumableLoader, SampleTrace, check_fits_model, eval_batches
-from infra.distributed import build_accelerator
+from infra.distributed import LaunchError, build_accelerator
 from infra.health import STRAGGLER_EXIT_CODE, Faults, Heartbeat, StepGuard, StragglerDetector, check_replicas_in_sync
 from infra.metrics import Throughput, flops_per_token, peak_bf16_flops
 from infra.preflight import EtaCheck, kept_checkpoints, run_preflight
@@ -148,7 +148,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"data error: {err}") from None
     tokenizer = AutoTokenizer.from_pretrained(dataset.tokenizer_dir)
 
-    accelerator = build_accelerator(args, log_with=None if args.report_to == "none" else args.report_to)
+    try:
+        accelerator = build_accelerator(args, log_with=None if args.report_to == "none" else args.report_to)
+    except LaunchError as err:
+        raise SystemExit(f"launch error: {err}") from None
     set_seed(args.seed)
 
     # Model and optimizer

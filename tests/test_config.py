@@ -77,3 +77,11 @@ def test_recipe_refuses_bad_config_in_one_line_and_creates_nothing(tmp_path, yam
     assert lines[0].startswith("config error: ") and expected in lines[0]
     assert not out.exists() and not env_store.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == (["run.yaml"] if yaml_text is not None else [])
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "accelerate_configs").glob("*.yaml")))
+def test_every_launcher_config_loads_with_accelerates_own_loader(name):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(REPO / "accelerate_configs" / name))
+    assert config.mixed_precision == "bf16"

@@ -105,6 +105,15 @@ def test_refuses_processes_that_do_not_form_a_group(tmp_path):
     assert "the launcher started 2 processes but this one sees a group of 1" in proc.stderr
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the FSDP config runs")
+def test_fsdp_on_cpu_is_refused_in_one_line(small_data, tmp_path):
+    """accelerate enables FSDP only for accelerator process groups: on CPU the ranks would silently run unsharded."""
+    proc = launch("fsdp.yaml", recipe_args(small_data, tmp_path / "out", STEPS), tmp_path)
+    assert proc.returncode != 0
+    assert "launch error: the accelerate config asks for FSDP but this process runs NO: accelerate runs FSDP on accelerators" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.fixture(scope="module")
 def straight(small_data, tmp_path_factory):
     """One uninterrupted 2-process run of 2N steps."""
