@@ -50,6 +50,7 @@ def launch_command(
     num_processes: int = 2,
     launcher_args: tuple[str, ...] = (),
     launcher: tuple[str, ...] = (str(BIN / "accelerate"), "launch"),
+    port: int | None = None,
 ):
     """`accelerate launch --config_file accelerate_configs/X recipes/R.py ...`, as the README shows it, and its environment.
 
@@ -63,7 +64,7 @@ def launch_command(
         "--num_processes",
         str(num_processes),
         "--main_process_port",
-        str(free_port()),
+        str(port or free_port()),
         *launcher_args,
         str(REPO / "recipes" / f"{recipe}.py"),
         *recipe_args,
