@@ -211,13 +211,17 @@ class _Parser(HfArgumentParser):
 _KINDS = {"int": "an integer", "float": "a number", "string_to_bool": "true or false"}
 
 
-def parse_config(dataclass_types: tuple[type, ...], argv: list[str] | None = None) -> tuple:
+def parse_config(dataclass_types: tuple[type, ...], argv: list[str] | None = None, check=None) -> tuple:
     """Parse `--config file.yaml` plus command-line overrides into the given dataclasses.
 
-    On any problem prints one line to stderr and exits with status 2, having created nothing.
+    `check(*parsed)` may raise ConfigError for what involves fields of several dataclasses. On any
+    problem prints one line to stderr and exits with status 2, having created nothing.
     """
     try:
-        return _parse(dataclass_types, sys.argv[1:] if argv is None else list(argv))
+        parsed = _parse(dataclass_types, sys.argv[1:] if argv is None else list(argv))
+        if check is not None:
+            check(*parsed)
+        return parsed
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -89,6 +89,14 @@ class DataArguments:
         require(self.shuffle_window >= 1, "shuffle_window", self.shuffle_window, "an integer >= 1")
 
 
+def check_together(model_args: ModelArguments, data_args: DataArguments, args: TrainingArguments) -> None:
+    """What no single section can check alone."""
+    if args.keep_best and args.metric_for_best_model.startswith("eval/"):
+        require(
+            data_args.eval_samples > 0, "eval_samples", data_args.eval_samples, f"> 0 to rank checkpoints by {args.metric_for_best_model}"
+        )
+
+
 def build_model(args: ModelArguments, tokenizer, seq_len: int):
     if args.model_name_or_path:
         return AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
@@ -139,7 +147,7 @@ def evaluate(accelerator, model, held_out, batch_size: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     # Configuration: everything is checked before a process group, file or run exists
-    model_args, data_args, args = parse_config((ModelArguments, DataArguments, TrainingArguments), argv)
+    model_args, data_args, args = parse_config((ModelArguments, DataArguments, TrainingArguments), argv, check=check_together)
     config = resolved(model_args, data_args, args)
     try:
         dataset = PackedDataset(data_args.data_dir, verify_checksums=data_args.verify_data_checksums)

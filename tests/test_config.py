@@ -57,6 +57,11 @@ def test_resolved_config_flattens_to_dotted_params():
         ("hidden_sise: 64\n", [], "unknown key 'hidden_sise' (did you mean 'hidden_size'?)"),
         ("per_device_train_batch_size: 2.5\n", [], "per_device_train_batch_size='2.5' is not valid: expected an integer"),
         (None, [], "no such file"),
+        (
+            "keep_best: 2\n",
+            ["--metric_for_best_model", "eval/loss"],
+            "eval_samples=0 is not valid: expected > 0 to rank checkpoints by eval/loss",
+        ),
     ],
 )
 def test_recipe_refuses_bad_config_in_one_line_and_creates_nothing(tmp_path, yaml_text, extra, expected):
