@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import socket
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -163,37 +164,66 @@ class Heartbeat:
     """Each rank's last finished step in the launcher's key-value store, so a timeout can name the rank that is stuck.
 
     A collective that times out only says that it timed out; the store still answers, and the
-    rank whose step lags the others' is the one that hung or died.
+    rank whose step lags the others' is the one that hung or died. After the first step the
+    collective timeout drops from `start_timeout` to `step_timeout` (start-up is over: from now on
+    a long wait means a rank is gone), except inside `relaxed()` (checkpoint saves and loads). On
+    NCCL the watchdog aborts the process at the timeout before Python can explain it, so a thread
+    prints the diagnosis when no step has finished for 80% of the timeout.
     """
 
     KEY = "infra/heartbeat/{}"
 
-    def __init__(self, accelerator: Accelerator, step_timeout: float):
-        self.accelerator, self.step_timeout = accelerator, step_timeout
+    def __init__(self, accelerator: Accelerator, start_timeout: float, step_timeout: float):
+        self.accelerator, self.start_timeout, self.step_timeout = accelerator, start_timeout, step_timeout
         self.store = None
-        self.shortened = False
+        self.shortened = self._relaxed = self._reported = False
+        self._last = time.monotonic()
         if accelerator.num_processes > 1:
             from torch.distributed.distributed_c10d import _get_default_store
 
             self.store = _get_default_store()
+            if step_timeout > 0:
+                threading.Thread(target=self._watch, name="heartbeat-watch", daemon=True).start()
+
+    def _set_timeout(self, seconds: float) -> None:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(timedelta(seconds=seconds))
 
     def beat(self, step: int) -> None:
-        """After each step. The first one also shortens the collective timeout: start-up (compilation, first
-        allocations, loading) is over, from now on a collective that waits long means a rank is gone."""
+        """After each step; the first one also shortens the collective timeout."""
+        self._last = time.monotonic()
         if self.store is None:
             return
         self.store.set(self.KEY.format(self.accelerator.process_index), str(step))
         if not self.shortened and self.step_timeout > 0:
-            from torch.distributed.distributed_c10d import _set_pg_timeout
-
-            _set_pg_timeout(timedelta(seconds=self.step_timeout))
+            self._set_timeout(self.step_timeout)
             self.shortened = True
 
-    def explain(self, error: BaseException) -> str | None:
-        """A one-line diagnosis when `error` is a collective timeout (None for other errors)."""
-        text = str(error)
-        if self.store is None or not any(s in text.lower() for s in ("timed out", "timeout")):
-            return None
+    @contextlib.contextmanager
+    def relaxed(self) -> Iterator[None]:
+        """The start-up timeout for work that may legitimately keep ranks waiting long (rank 0 checksumming a save)."""
+        if not self.shortened:
+            yield
+            return
+        self._relaxed = True
+        self._set_timeout(self.start_timeout)
+        try:
+            yield
+        finally:
+            self._set_timeout(self.step_timeout)
+            self._relaxed, self._last = False, time.monotonic()
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(30.0, self.step_timeout / 5))
+            idle = time.monotonic() - self._last
+            if self.shortened and not self._relaxed and not self._reported and idle > 0.8 * self.step_timeout:
+                self._reported = True
+                print(f"{self.diagnosis()} (no step finished here for {idle:.0f}s)", flush=True)
+
+    def diagnosis(self) -> str:
+        """Which ranks are behind, from the store."""
         steps = {}
         for rank in range(self.accelerator.num_processes):
             try:
@@ -209,6 +239,12 @@ class Heartbeat:
             if behind
             else "every rank had finished the same step"
         )
+
+    def explain(self, error: BaseException) -> str | None:
+        """A one-line diagnosis when `error` is a collective timeout (None for other errors)."""
+        if self.store is None or not any(s in str(error).lower() for s in ("timed out", "timeout")):
+            return None
+        return self.diagnosis()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,7 +27,9 @@ from infra.config import ConfigError, parse_config, require
 class PlanArguments:
     gpus: int = field(default=8, metadata={"help": "GPUs in the job."})
     gpus_per_node: int = field(default=8, metadata={"help": "GPUs per node (failures are counted per node)."})
-    per_gpu_batch: int = field(default=8, metadata={"help": "Samples per GPU per optimizer step (micro-batch x accumulation)."})
+    per_gpu_batch: int | None = field(
+        default=None, metadata={"help": "Samples per GPU per optimizer step, micro-batch x accumulation (default: from --run_id, else 8)."}
+    )
     step_seconds: float = field(default=0.0, metadata={"help": "Seconds per optimizer step (0: read from --run_id)."})
     checkpoint_minutes: float = field(
         default=0.0, metadata={"help": "Minutes one checkpoint save stalls training (0: read from --run_id)."}
@@ -47,7 +49,7 @@ class PlanArguments:
     output: str = field(default="runs/plan_goodput.png", metadata={"help": "Where --simulate writes its plot."})
 
     def __post_init__(self):
-        for name in ("gpus", "gpus_per_node", "per_gpu_batch", "trials"):
+        for name in ("gpus", "gpus_per_node", "trials"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
         for name in ("step_seconds", "checkpoint_minutes", "restart_minutes"):
             require(getattr(self, name) >= 0, name, getattr(self, name), "a number >= 0")
@@ -86,6 +88,19 @@ def expected_goodput(interval: float, checkpoint: float, restart: float, mtbf: f
     return interval / expected_segment_minutes(interval, checkpoint, restart, mtbf)
 
 
+def segments(work: float, interval: float | None, checkpoint: float) -> list[float]:
+    """The tries' lengths: each interval of work plus its save (the last one shorter); no checkpoints: one try of it all."""
+    if interval is None:
+        return [work]
+    full = int(work // interval)
+    return [interval + checkpoint] * full + ([work - interval * full + checkpoint] if work > interval * full else [])
+
+
+def expected_wall_minutes(work: float, interval: float | None, checkpoint: float, restart: float, mtbf: float) -> float:
+    """Expected wall time of a run of `work` minutes of training, failures, restarts and saves included."""
+    return sum((mtbf + restart) * math.expm1(min(length / mtbf, 700)) for length in segments(work, interval, checkpoint))
+
+
 def first_order_loss(interval: float, checkpoint: float, restart: float, mtbf: float) -> tuple[float, float]:
     """(fraction of time saving, fraction lost to failures) to first order: C/T, (T/2 + C + R)/M."""
     return checkpoint / interval, (interval / 2 + checkpoint + restart) / mtbf
@@ -105,11 +120,7 @@ def simulate(
     to the failure plus `restart`. The same seed gives every policy the same random stream.
     """
     rng = np.random.default_rng(seed)
-    if interval is None:  # no checkpoints: one try of the whole run
-        lengths = [work]
-    else:
-        segments = int(work // interval)
-        lengths = [interval + checkpoint] * segments + ([work - interval * segments + checkpoint] if work > interval * segments else [])
+    lengths = segments(work, interval, checkpoint)
     walls = np.zeros(trials)
     for length in lengths:
         p_fail = -math.expm1(-length / mtbf)
@@ -123,9 +134,8 @@ def simulate(
         lost = -mtbf * np.log1p(-u * p_fail)
         per_trial = np.bincount(np.repeat(np.arange(trials), failures), weights=lost, minlength=trials)
         walls += length + per_trial + failures * restart
-    useful = work
     saving = 0.0 if interval is None else checkpoint * len(lengths)
-    return float(np.mean(useful / walls)), float(np.mean(walls - work - saving))
+    return float(work / np.mean(walls)), float(np.mean(walls - work - saving))
 
 
 def best_simulated_interval(
@@ -139,7 +149,7 @@ def best_simulated_interval(
     top = int(np.argmax(goodput))
     lo, hi = max(0, top - 4), min(len(grid), top + 5)
     a, b, _ = np.polyfit(np.log(grid[lo:hi]), goodput[lo:hi], 2)
-    best = math.exp(-b / (2 * a)) if a < 0 else float(grid[top])
+    best = min(max(math.exp(-b / (2 * a)), grid[lo]), grid[hi - 1]) if a < 0 else float(grid[top])  # the vertex, within the fit
     return best, grid, goodput
 
 
@@ -165,7 +175,7 @@ class Plan:
 def plan(a: PlanArguments) -> Plan:
     nodes = math.ceil(a.gpus / a.gpus_per_node)
     mtbf = a.mtbf_hours_per_node * 60 / nodes
-    c, t, r = a.checkpoint_minutes, a.interval_minutes, a.restart_minutes
+    c, t, r, work = a.checkpoint_minutes, a.interval_minutes, a.restart_minutes, a.run_hours * 60
     saving, failing = first_order_loss(t, c, r, mtbf)
     young = young_interval(c, mtbf) if c > 0 else math.inf
     return Plan(
@@ -178,8 +188,8 @@ def plan(a: PlanArguments) -> Plan:
         worst_lost_minutes=t,
         saving_fraction=saving,
         failure_fraction=failing,
-        goodput=expected_goodput(t, c, r, mtbf),
-        young_goodput=expected_goodput(young, c, r, mtbf) if c > 0 else expected_goodput(t, c, r, mtbf),
+        goodput=work / expected_wall_minutes(work, t, c, r, mtbf),
+        young_goodput=work / expected_wall_minutes(work, young if c > 0 else t, c, r, mtbf),
     )
 
 
@@ -232,7 +242,7 @@ def simulation_report(a: PlanArguments, p: Plan) -> str:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(grid, 100 * goodput, "o-", ms=3, label="simulated")
-    ax.plot(grid, [100 * expected_goodput(t, c, r, m) for t in grid], "--", label="expected (closed form)")
+    ax.plot(grid, [100 * work / expected_wall_minutes(work, t, c, r, m) for t in grid], "--", label="expected (closed form)")
     ax.axvline(p.daly_minutes, color="g", lw=1, label=f"Young/Daly {p.daly_minutes:.0f} min")
     ax.axvline(a.interval_minutes, color="r", lw=1, label=f"configured {a.interval_minutes:g} min")
     ax.set(
@@ -273,7 +283,7 @@ def fill_from_run(a: PlanArguments) -> None:
     if not a.checkpoint_minutes and (save := mean("checkpoint/save_seconds")):
         a.checkpoint_minutes = save / 60
     params = run.data.params
-    if "TrainingArguments.per_device_train_batch_size" in params:
+    if a.per_gpu_batch is None and "TrainingArguments.per_device_train_batch_size" in params:
         a.per_gpu_batch = int(params["TrainingArguments.per_device_train_batch_size"]) * int(
             params.get("TrainingArguments.gradient_accumulation_steps", 1)
         )
@@ -284,6 +294,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if a.run_id:
             fill_from_run(a)
+        a.per_gpu_batch = a.per_gpu_batch or 8
+        require(a.per_gpu_batch >= 1, "per_gpu_batch", a.per_gpu_batch, "an integer >= 1")
         require(a.step_seconds > 0, "step_seconds", a.step_seconds, "seconds per step > 0 (or a --run_id that logged perf/step_time)")
         p = plan(a)
         print(report(a, p))

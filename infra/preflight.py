@@ -108,6 +108,7 @@ def round_trip(accelerator: Accelerator, model: torch.nn.Module, output_dir: str
 
     Returns the check, the bytes one checkpoint takes and the seconds a save takes. The state is the
     one training starts from (loading restores it, RNG included), so the run is unchanged by it.
+    Every rank takes the same path whatever fails where: the outcome of each phase is agreed first.
     """
     scratch = Path(output_dir) / ".preflight_checkpoint"
     if accelerator.is_main_process:
@@ -116,25 +117,37 @@ def round_trip(accelerator: Accelerator, model: torch.nn.Module, output_dir: str
     sharded = accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
     unwrapped = accelerator.unwrap_model(model)
     before = None if sharded else parameter_fingerprint(unwrapped)
-    try:
-        start = time.perf_counter()
-        accelerator.save_state(str(scratch))
-        files = seal(scratch) if accelerator.is_main_process else {}
-        accelerator.wait_for_everyone()
-        save_seconds = time.perf_counter() - start
+
+    def attempt(fn) -> BaseException | None:
+        try:
+            fn()
+        except Exception as err:
+            return err
+        return None
+
+    files: dict = {}
+    start = time.perf_counter()
+    error = attempt(lambda: accelerator.save_state(str(scratch)))
+    if error is None and accelerator.is_main_process:
+        error = attempt(lambda: files.update(seal(scratch)))
+    saved = all_ranks_ok(accelerator, error is None)
+    save_seconds = time.perf_counter() - start
+    load_seconds = 0.0
+    if saved:
         if not sharded:
             with torch.no_grad():
                 for p in unwrapped.parameters():
                     p.add_(1.0)
         start = time.perf_counter()
-        accelerator.load_state(str(scratch))
+        error = attempt(lambda: accelerator.load_state(str(scratch)))
+        saved = all_ranks_ok(accelerator, error is None)
         load_seconds = time.perf_counter() - start
-    except Exception as err:
-        return Check("checkpoint", False, f"save_state/load_state round trip in {scratch} failed: {type(err).__name__}: {err}"), 0, 0.0
-    finally:
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            shutil.rmtree(scratch, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if not saved:
+        why = f"{type(error).__name__}: {error}" if error else "it failed on another rank"
+        return Check("checkpoint", False, f"save_state/load_state round trip in {scratch} failed: {why}"), 0, 0.0
     size = sum(f["size"] for f in files.values())
     if not sharded and parameter_fingerprint(unwrapped) != before:
         return Check("checkpoint", False, f"the weights loaded back from {scratch} differ from those saved"), size, save_seconds
@@ -144,10 +157,13 @@ def round_trip(accelerator: Accelerator, model: torch.nn.Module, output_dir: str
 
 
 def disk(output_dir: str | os.PathLike, checkpoint_bytes: int, kept: int, export_bytes: int) -> Check:
-    """Free space against `kept` checkpoints, one more being written, and the exported model."""
-    need = checkpoint_bytes * (kept + 1) + export_bytes
-    free = shutil.disk_usage(Path(output_dir)).free
-    detail = f"{_size(free)} free in {output_dir}; checkpoints need ~{_size(need)} ({kept} kept + 1 being written, and the export)"
+    """Free space against `kept` checkpoints, one more being written, and the exported model, less what a
+    resumed run's checkpoints and export already take (they are replaced, not added to)."""
+    out = Path(output_dir)
+    present = sum(f.stat().st_size for d in ("checkpoints", "final") if (out / d).is_dir() for f in (out / d).rglob("*") if f.is_file())
+    need = max(0, checkpoint_bytes * (kept + 1) + export_bytes - present)
+    free = shutil.disk_usage(out).free
+    detail = f"{_size(free)} free in {output_dir}; checkpoints need ~{_size(need)} more ({kept} kept + 1 being written, and the export)"
     if free < need:
         return Check("disk", False, detail + ": free space, or lower save_total_limit or keep_best")
     return Check("disk", True, detail)

@@ -14,12 +14,14 @@ Any flag overrides the YAML. The run resumes by itself from the newest checkpoin
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 from transformers import (
     AutoConfig,
@@ -32,6 +34,7 @@ from infra.checkpoint import CheckpointError, CheckpointManager, SaveSchedule, T
 from infra.config import TrainingArguments, parse_config, require, resolved
 from infra.data import DataCursor, PackedDataset, ResumableLoader, SampleTrace, check_fits_model, eval_batches
 from infra.distributed import LaunchError, build_accelerator
+from infra.files import atomic_write_text
 from infra.health import STRAGGLER_EXIT_CODE, Faults, Heartbeat, StepGuard, StragglerDetector, check_replicas_in_sync
 from infra.metrics import Throughput, flops_per_token, peak_bf16_flops
 from infra.preflight import EtaCheck, kept_checkpoints, run_preflight
@@ -135,13 +138,14 @@ def build_scheduler(optimizer, args: TrainingArguments):
 def evaluate(accelerator, model, held_out, batch_size: int) -> dict[str, float]:
     """Mean token loss and perplexity over the held-out samples, all ranks together."""
     model.eval()
-    total = torch.zeros(2, device=accelerator.device)  # sum of batch losses, batches
+    total = torch.zeros(2, device=accelerator.device)  # sum of per-sample mean losses, samples (all of seq_len tokens)
     for batch in eval_batches(held_out, batch_size, accelerator.process_index, accelerator.num_processes):
         batch = batch.to(accelerator.device, non_blocking=True)
-        total += torch.stack([model(input_ids=batch, labels=batch).loss.float(), torch.ones((), device=accelerator.device)])
+        n = torch.tensor(float(len(batch)), device=accelerator.device)
+        total += torch.stack([model(input_ids=batch, labels=batch).loss.float() * n, n])
     model.train()
-    loss_sum, batches = accelerator.reduce(total, "sum").tolist()
-    loss = loss_sum / batches
+    loss_sum, samples = accelerator.reduce(total, "sum").tolist()
+    loss = loss_sum / samples
     return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
 
 
@@ -185,6 +189,8 @@ def main(argv: list[str] | None = None) -> None:
         shuffle_window=data_args.shuffle_window,
         pin_memory=accelerator.device.type == "cuda",
     )
+    if 0 < len(held_out) < accelerator.num_processes:
+        raise SystemExit(f"data error: eval_samples={len(held_out)} is fewer than the {accelerator.num_processes} processes evaluating it")
     model, optimizer = accelerator.prepare(model, optimizer)
     scheduler = accelerator.prepare_scheduler(build_scheduler(optimizer, args))
 
@@ -254,9 +260,11 @@ def main(argv: list[str] | None = None) -> None:
         if trace:
             trace.flush()
         start = time.perf_counter()
-        facts = {**state.state_dict(), "cursor": cursor.state_dict(), "metrics": metrics, "mlflow_run_id": run_id}
+        # a copy of the metrics: a background save writes its manifest later, while the loop goes on updating them
+        facts = {**state.state_dict(), "cursor": cursor.state_dict(), "metrics": dict(metrics), "mlflow_run_id": run_id}
         try:
-            checkpoints.save(state.step, {**facts, **job_facts}, background=args.async_save and not last)
+            with heartbeat.relaxed():  # a long synchronous save is not a hang
+                checkpoints.save(state.step, {**facts, **job_facts}, background=args.async_save and not last)
         except CheckpointError as err:
             raise SystemExit(f"checkpoint error: {err}") from None
         seconds = time.perf_counter() - start
@@ -267,11 +275,15 @@ def main(argv: list[str] | None = None) -> None:
     def roll_back() -> None:
         """After max_bad_steps non-finite steps in a row: the newest checkpoint's weights, optimizer and counters, but the
         data cursor stays where it is, so the batches since that checkpoint (the offending ones among them) are skipped."""
-        checkpoints.wait()
         if state.rollbacks >= args.max_rollbacks:
             raise SystemExit(f"health error: non-finite steps again after {state.rollbacks} rollbacks (max_rollbacks={args.max_rollbacks})")
         bad_step, position = state.step, repr(cursor)
-        path, manifest = checkpoints.resume("auto", checksums=args.verify_checksums)
+        try:
+            with heartbeat.relaxed():
+                checkpoints.wait()
+                path, manifest = checkpoints.resume("auto", checksums=args.verify_checksums)
+        except CheckpointError as err:
+            raise SystemExit(f"checkpoint error: {err}") from None
         if path is None:
             raise SystemExit(
                 f"health error: {args.max_bad_steps} non-finite steps in a row at step {bad_step} and no checkpoint to roll back to"
@@ -291,8 +303,14 @@ def main(argv: list[str] | None = None) -> None:
     batches = iter(loader)
     meter = Throughput()
     guard = StepGuard(accelerator)
+    fp16 = accelerator.scaler is not None
+    skip_note = (  # DeepSpeed's engine steps inside accelerator.backward: too late to skip, a rollback undoes it
+        "counted; DeepSpeed already stepped, a rollback undoes it"
+        if accelerator.distributed_type == DistributedType.DEEPSPEED
+        else "optimizer step skipped"
+    )
     stragglers = StragglerDetector(accelerator, model, args.straggler_window_steps, args.straggler_factor, args.straggler_patience)
-    heartbeat = Heartbeat(accelerator, args.ddp_step_timeout)
+    heartbeat = Heartbeat(accelerator, args.ddp_timeout, args.ddp_step_timeout)
     faults = Faults(accelerator.process_index)  # test hooks; inert unless INFRA_TEST_FAULTS is set
     eta = EtaCheck(accelerator, state.step, args.max_steps, tokens_per_step, args.time_budget_hours)
     loss_sum, loss_count = torch.zeros((), device=accelerator.device), 0
@@ -317,14 +335,16 @@ def main(argv: list[str] | None = None) -> None:
                     accelerator.backward(loss)
                 step_loss += loss.detach()
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm) if args.max_grad_norm else None
-            skipped = guard.bad(step_loss, grad_norm)  # the same answer on every rank
+            # fp16: the loss scaler skips steps with inf/NaN gradients (and lowers its scale) by itself; only the loss counts
+            skipped = guard.bad(step_loss, None if fp16 else grad_norm)  # the same answer on every rank
             if skipped:
                 state.skipped_steps += 1
-                accelerator.print(f"health: non-finite loss or gradients at step {state.step + 1}: optimizer step skipped")
+                accelerator.print(f"health: non-finite loss or gradients at step {state.step + 1}: {skip_note}")
             else:
-                optimizer.step()
                 loss_sum += step_loss
                 loss_count += args.gradient_accumulation_steps
+            if not skipped or fp16:
+                optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             state.step += 1
@@ -403,6 +423,9 @@ def main(argv: list[str] | None = None) -> None:
         end_run("KILLED")
         return
     if straggling:
+        if accelerator.is_main_process:  # for the batch script: requeue without these hosts
+            hosts = sorted({stragglers.hosts[rank] for rank in slow})
+            atomic_write_text(Path(args.output_dir) / "straggler.json", json.dumps({"step": state.step, "hosts": hosts}))
         accelerator.print(
             f"straggler: saved step {state.step}; exiting with code {STRAGGLER_EXIT_CODE} so the job restarts without the slow rank"
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import time
 
@@ -61,6 +62,7 @@ def test_a_slow_rank_is_named_then_the_job_saves_and_exits_with_its_code(small_d
     assert f"exitcode  : {STRAGGLER_EXIT_CODE}" in proc.stdout + proc.stderr  # every rank's code, as torch elastic reports it
     assert "straggler: rank 1 on" in proc.stdout and "for 2 windows of 2 steps" in proc.stdout and "): compute" in proc.stdout
     assert manifest(out, 4)["step"] == 4 and not (out / "final").exists()  # saved at the step it was decided, then stopped
+    assert json.loads((out / "straggler.json").read_text()) == {"step": 4, "hosts": [socket.gethostname()]}  # for the batch script
 
     import mlflow
 
@@ -87,7 +89,7 @@ def test_preflight_checks_each_fail_with_their_own_message(tmp_path):
 
     assert disk(tmp_path, 10, 2, 5).ok
     small = disk(tmp_path, 10**16, 2, 0)  # 30 PB: more than any disk here
-    assert not small.ok and "checkpoints need ~30 PB (2 kept + 1 being written" in small.detail
+    assert not small.ok and "checkpoints need ~30 PB more (2 kept + 1 being written" in small.detail
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     where = writable(blocker / "out")
