@@ -74,18 +74,13 @@ def daly_interval(checkpoint: float, mtbf: float) -> float:
     return math.sqrt(2 * checkpoint * mtbf) * (1 + x / 3 + x * x / 9) - checkpoint
 
 
-def expected_segment_minutes(interval: float, checkpoint: float, restart: float, mtbf: float) -> float:
-    """Expected wall time to commit one segment (interval of work + its save), failures and restarts included.
+def expected_try_minutes(length: float, restart: float, mtbf: float) -> float:
+    """Expected wall time until a try of `length` minutes (a segment of work plus its save) outlives the next failure.
 
-    A try of length L = T + C succeeds with probability exp(-L/M); each failed try costs the time
-    to the failure (an exponential cut at L) plus the restart: E = (M + R)(exp(L/M) - 1).
+    It succeeds with probability exp(-L/M); each failed try costs the time to the failure (an
+    exponential cut at L) plus the restart: E = (M + R)(exp(L/M) - 1).
     """
-    return (mtbf + restart) * math.expm1((interval + checkpoint) / mtbf)
-
-
-def expected_goodput(interval: float, checkpoint: float, restart: float, mtbf: float) -> float:
-    """Useful training time / wall time for a long run at this interval (0 < goodput <= 1)."""
-    return interval / expected_segment_minutes(interval, checkpoint, restart, mtbf)
+    return (mtbf + restart) * math.expm1(min(length / mtbf, 700))
 
 
 def segments(work: float, interval: float | None, checkpoint: float) -> list[float]:
@@ -98,7 +93,7 @@ def segments(work: float, interval: float | None, checkpoint: float) -> list[flo
 
 def expected_wall_minutes(work: float, interval: float | None, checkpoint: float, restart: float, mtbf: float) -> float:
     """Expected wall time of a run of `work` minutes of training, failures, restarts and saves included."""
-    return sum((mtbf + restart) * math.expm1(min(length / mtbf, 700)) for length in segments(work, interval, checkpoint))
+    return sum(expected_try_minutes(length, restart, mtbf) for length in segments(work, interval, checkpoint))
 
 
 def first_order_loss(interval: float, checkpoint: float, restart: float, mtbf: float) -> tuple[float, float]:
@@ -125,7 +120,7 @@ def simulate(
     for length in lengths:
         p_fail = -math.expm1(-length / mtbf)
         if p_fail > 1 - 1e-9:  # practically never completes: the expectation, not a draw that would never end
-            walls += (mtbf + restart) * math.expm1(min(length / mtbf, 700))
+            walls += expected_try_minutes(length, restart, mtbf)
             continue
         failures = rng.geometric(1 - p_fail, size=trials) - 1  # failed tries before the one that succeeds
         # time to failure given failure before `length`: inverse CDF of the cut exponential

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from infra.plan import PlanArguments, best_simulated_interval, daly_interval, expected_goodput, main, plan, simulate, young_interval
+from infra.plan import PlanArguments, best_simulated_interval, daly_interval, expected_wall_minutes, main, plan, simulate, young_interval
 
 
 def test_the_worked_example(capsys):
@@ -26,8 +26,7 @@ def test_the_simulated_best_interval_agrees_with_young_daly():
     assert best == pytest.approx(daly_interval(checkpoint, mtbf), rel=0.03)
     assert best == pytest.approx(young_interval(checkpoint, mtbf), rel=0.08)  # first-order: a little long
     for t, g in zip(grid, goodput, strict=True):  # the simulation follows the closed-form expectation
-        if t < work / 20:  # (a long run of short segments: the last, partial one does not count)
-            assert g == pytest.approx(expected_goodput(t, checkpoint, restart, mtbf), rel=0.01)
+        assert g == pytest.approx(work / expected_wall_minutes(work, t, checkpoint, restart, mtbf), rel=0.01)
 
 
 def test_policies_rank_as_they_should():
