@@ -408,8 +408,8 @@ class SaveSchedule:
     """When to save: every `save_steps`, every `minutes` of wall clock, and on a preemption signal.
 
     SIGTERM and SIGUSR1 (SLURM's `--signal=USR1@120`) only set a flag; `check()` runs one small
-    all-reduce per step so that every rank learns of a signal that reached any of them, and of
-    rank 0's clock decision, at the same step. After a signal the process has `grace_seconds` to
+    all-reduce per step so that every rank learns of a signal that reached any of them, of rank 0's
+    clock decision, and of the caller's flags (a non-finite loss), at the same step. After a signal the process has `grace_seconds` to
     save and exit before a watchdog ends it (the commit is atomic: a cut save is never loaded).
     With `minutes="auto"` the interval is Young/Daly's sqrt(2 * C * MTBF), C the last measured
     save time (30 minutes until the first save has been measured).
@@ -444,16 +444,23 @@ class SaveSchedule:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
-    def check(self, step: int) -> tuple[bool, bool]:
-        """(save now, then stop) for the step just finished; the same answer on every rank."""
+    def check(self, step: int, *flags: torch.Tensor) -> tuple[bool, ...]:
+        """(save at the end of `step`, then stop, *flags), the same on every rank.
+
+        `flags` are this rank's own (0-dim tensors: a non-finite loss, say); they travel in the same
+        all-reduce (MAX) and come back true if true on any rank: one collective and one host
+        synchronisation per step carry everything the ranks must agree on.
+        """
         due = self.interval > 0 and self.accelerator.is_main_process and time.monotonic() - self.last_save >= self.interval
-        preempted = self.signal is not None
+        device = self.accelerator.device
+        agreed = torch.cat(
+            [torch.tensor([float(self.signal is not None), float(due)], device=device), *(f.float().reshape(1) for f in flags)]
+        )
         if self.accelerator.num_processes > 1:
-            flags = torch.tensor([float(preempted), float(due)], device=self.accelerator.device)
-            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-            preempted, due = bool(flags[0].item()), bool(flags[1].item())
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
+        preempted, due, *rest = (v > 0 for v in agreed.tolist())
         by_steps = self.save_steps > 0 and step % self.save_steps == 0
-        return preempted or due or by_steps, preempted
+        return (preempted or due or by_steps, preempted, *rest)
 
     def saved(self, seconds: float) -> float | None:
         """Record a save that took `seconds`; returns the new interval in minutes when it is chosen automatically."""

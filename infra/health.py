@@ -51,29 +51,17 @@ def check_replicas_in_sync(accelerator: Accelerator, model: torch.nn.Module) -> 
 # Non-finite loss or gradients
 
 
-class StepGuard:
-    """Non-finite loss or gradient norm, agreed on every rank before the optimizer step.
+def nonfinite(loss: torch.Tensor, grad_norm: torch.Tensor | float | None) -> torch.Tensor:
+    """1.0 where this rank's loss (or gradient norm) is NaN or infinite, as a 0-dim tensor on the loss's device.
 
-    One rank's NaN would reach the others through the gradient all-reduce, but not through the
-    loss, and not at all when clipping is off: one all-reduce of a flag makes the decision common,
-    so every rank skips (or rolls back) together. `consecutive` counts bad steps in a row.
+    Left on the device so that it can join the step's one all-reduce (SaveSchedule.check): one
+    rank's NaN reaches the others through the gradient all-reduce, but not through the loss, and
+    not at all when clipping is off; agreeing on the flag makes every rank skip (or roll back) together.
     """
-
-    def __init__(self, accelerator: Accelerator):
-        self.accelerator = accelerator
-        self.consecutive = 0
-
-    def bad(self, loss: torch.Tensor, grad_norm: torch.Tensor | float | None) -> bool:
-        """Whether this step's loss (summed over micro-steps) or gradient norm is non-finite on any rank."""
-        flag = (~torch.isfinite(loss.detach().float())).float().reshape(1)
-        if grad_norm is not None:
-            norm = torch.as_tensor(grad_norm, device=flag.device, dtype=torch.float32)
-            flag = torch.maximum(flag, (~torch.isfinite(norm)).float().reshape(1))
-        if self.accelerator.num_processes > 1:
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        bad = bool(flag.item())
-        self.consecutive = self.consecutive + 1 if bad else 0
-        return bad
+    bad = ~torch.isfinite(loss.detach().float())
+    if grad_norm is not None:
+        bad = bad | ~torch.isfinite(torch.as_tensor(grad_norm, device=loss.device, dtype=torch.float32))
+    return bad.float().reshape(())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,13 +212,15 @@ class Heartbeat:
 
     def diagnosis(self) -> str:
         """Which ranks are behind, from the store."""
-        steps = {}
+        steps, timeout = {}, self.store.timeout
+        self.store.set_timeout(timedelta(seconds=5))  # a key never written must not keep us waiting
         for rank in range(self.accelerator.num_processes):
             try:
-                self.store.set_timeout(timedelta(seconds=5))
                 steps[rank] = int(self.store.get(self.KEY.format(rank)))
             except Exception:
                 steps[rank] = -1  # never beat, or the store is gone too
+        with contextlib.suppress(Exception):
+            self.store.set_timeout(timeout)
         ahead = max(steps.values())
         behind = [r for r, s in steps.items() if s < ahead]
         where = ", ".join(f"rank {r} at step {steps[r]}" if steps[r] >= 0 else f"rank {r} before its first step" for r in behind)

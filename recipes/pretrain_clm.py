@@ -35,7 +35,7 @@ from infra.config import TrainingArguments, parse_config, require, resolved
 from infra.data import DataCursor, PackedDataset, ResumableLoader, SampleTrace, check_fits_model, eval_batches
 from infra.distributed import LaunchError, build_accelerator
 from infra.files import atomic_write_text
-from infra.health import STRAGGLER_EXIT_CODE, Faults, Heartbeat, StepGuard, StragglerDetector, check_replicas_in_sync
+from infra.health import STRAGGLER_EXIT_CODE, Faults, Heartbeat, StragglerDetector, check_replicas_in_sync, nonfinite
 from infra.metrics import Throughput, flops_per_token, peak_bf16_flops
 from infra.preflight import EtaCheck, kept_checkpoints, run_preflight
 from infra.tracking import (
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     peak = peak_bf16_flops(torch.cuda.get_device_name(accelerator.device) if accelerator.device.type == "cuda" else None)
     batches = iter(loader)
     meter = Throughput()
-    guard = StepGuard(accelerator)
+    bad_in_a_row = 0
     fp16 = accelerator.scaler is not None
     skip_note = (  # DeepSpeed's engine steps inside accelerator.backward: too late to skip, a rollback undoes it
         "counted; DeepSpeed already stepped, a rollback undoes it"
@@ -335,8 +335,10 @@ def main(argv: list[str] | None = None) -> None:
                     accelerator.backward(loss)
                 step_loss += loss.detach()
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm) if args.max_grad_norm else None
-            # fp16: the loss scaler skips steps with inf/NaN gradients (and lowers its scale) by itself; only the loss counts
-            skipped = guard.bad(step_loss, None if fp16 else grad_norm)  # the same answer on every rank
+            # one all-reduce: preemption, rank 0's clock, and a non-finite loss or gradient on any rank (fp16: the loss
+            # scaler skips steps with inf/NaN gradients and lowers its scale by itself; only the loss counts)
+            save_now, preempted, skipped = schedule.check(state.step + 1, nonfinite(step_loss, None if fp16 else grad_norm))
+            bad_in_a_row = bad_in_a_row + 1 if skipped else 0
             if skipped:
                 state.skipped_steps += 1
                 accelerator.print(f"health: non-finite loss or gradients at step {state.step + 1}: {skip_note}")
@@ -358,13 +360,11 @@ def main(argv: list[str] | None = None) -> None:
                 tracker.log(pace, step=state.step)
             if skipped:
                 tracker.log({"health/skipped_steps": state.skipped_steps}, step=state.step)
-                if guard.consecutive >= args.max_bad_steps:
+                if bad_in_a_row >= args.max_bad_steps:
                     if args.on_bad_steps == "stop":
-                        raise SystemExit(
-                            f"health error: {guard.consecutive} non-finite steps in a row at step {state.step} (on_bad_steps=stop)"
-                        )
+                        raise SystemExit(f"health error: {bad_in_a_row} non-finite steps in a row at step {state.step} (on_bad_steps=stop)")
                     roll_back()
-                    guard.consecutive, loss_count = 0, 0
+                    bad_in_a_row, loss_count = 0, 0
                     loss_sum.zero_()
                     bar.n = state.step
                     if trace:
@@ -403,9 +403,8 @@ def main(argv: list[str] | None = None) -> None:
                 tracker.log(scores, step=state.step)
                 if accelerator.is_main_process:
                     bar.write(f"step {state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
-            save_now, preempted = schedule.check(state.step)  # the same answer on every rank
             last = preempted or straggling or state.step == args.max_steps
-            if last or (save_now and guard.consecutive == 0):  # no scheduled save amid non-finite steps: a rollback target stays clean
+            if last or (save_now and bad_in_a_row == 0):  # no scheduled save amid non-finite steps: a rollback target stays clean
                 save(last=last)
             if preempted or straggling:
                 break
