@@ -83,7 +83,9 @@ class DataArguments:
     shuffle_window: int = field(
         default=1 << 18, metadata={"help": "Samples shuffled together after the shards are shuffled (see infra.data.loader.EpochOrder)."}
     )
-    verify_data_checksums: bool = field(default=False, metadata={"help": "sha256 every shard before training."})
+    verify_data_checksums: bool = field(
+        default=False, metadata={"help": "sha256 every shard before training (in the preflight, on rank 0; make doctor always does)."}
+    )
     trace_samples: bool = field(default=False, metadata={"help": "Log each step's global sample ids to OUTPUT_DIR/trace/rank{r}.jsonl."})
 
     def __post_init__(self):
@@ -154,7 +156,9 @@ def main(argv: list[str] | None = None) -> None:
     model_args, data_args, args = parse_config((ModelArguments, DataArguments, TrainingArguments), argv, check=check_together)
     config = resolved(model_args, data_args, args)
     try:
-        dataset = PackedDataset(data_args.data_dir, verify_checksums=data_args.verify_data_checksums)
+        # sizes now; sha256 now only if no preflight will hash the shards (on rank 0 alone)
+        preflight_hashes = (args.preflight or args.preflight_only) and (data_args.verify_data_checksums or args.preflight_only)
+        dataset = PackedDataset(data_args.data_dir, verify_checksums=data_args.verify_data_checksums and not preflight_hashes)
         train_set, held_out = dataset.split(data_args.eval_samples)
     except ValueError as err:
         raise SystemExit(f"data error: {err}") from None
@@ -204,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
             args.output_dir,
             kept_checkpoints(args),
             tracking_uri() if args.report_to == "mlflow" else None,
-            data_checksums=args.preflight_only or data_args.verify_data_checksums,
+            data_checksums=preflight_hashes,
         )
         if args.preflight_only:
             return
