@@ -151,3 +151,22 @@ def test_doctor_refuses_a_disk_too_small_for_the_checkpoints_it_keeps(small_data
         assert "ok    checkpoint" in proc.stdout  # the round trip itself fitted
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_the_round_trip_fails_when_load_state_does_not_restore_the_weights(tmp_path, monkeypatch):
+    """The preflight perturbs the weights before loading: a load that restores nothing is caught, a real one passes."""
+    from accelerate import Accelerator
+
+    from infra.preflight import round_trip
+
+    accelerator = Accelerator()
+    model = accelerator.prepare(torch.nn.Linear(8, 8))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    check, size, _ = round_trip(accelerator, model, tmp_path)
+    assert check.ok and size > 0 and "weights identical" in check.detail
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # the run starts from the same weights
+    assert not (tmp_path / ".preflight_checkpoint").exists()
+
+    monkeypatch.setattr(accelerator, "load_state", lambda path: None)
+    check, _, _ = round_trip(accelerator, model, tmp_path)
+    assert not check.ok and "differ from those saved" in check.detail
