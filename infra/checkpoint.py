@@ -6,7 +6,7 @@ Layout:
         ...                                   every rank's RNG, registered objects) plus
         config.json                           the resolved configuration
         manifest.json                         step, tokens, data cursor, metrics, every file's size
-                                              and CRC-32, world size, versions, git commit, run id
+                                              and xxh3-64, world size, versions, git commit, run id
     OUTPUT_DIR/checkpoints/corrupt/           checkpoints that failed verification, kept for a look
 
 A save goes to `.step_XXXXXXXX.partial/`. When every rank has written its part, rank 0 reads each
@@ -14,10 +14,11 @@ file back once to checksum it while the file is fsynced (one thread per file, so
 the disk flush), writes `manifest.json` last, renames the folder into place and only then prunes.
 A folder without a whole manifest is never loaded; leftovers of interrupted saves are removed.
 
-Why CRC-32 and not sha256: the checksum guards against torn, truncated and bit-rotted files (a
-digest stored beside the files cannot guard against tampering anyway), and here zlib's CRC-32
-runs at 3.5 GB/s against sha256's 1.2 GB/s, which keeps a verified commit within 10% of a bare
-save and a verified resume within 20% of a bare load.
+Why xxh3-64 and not sha256: the checksum guards against torn, truncated and bit-rotted files (a
+digest stored beside the files cannot guard against tampering anyway). Hashing an mmap of a file in
+the page cache, xxh3-64 runs at 8.6 GB/s here against zlib's CRC-32 at 2.0-2.6 GB/s and sha256's
+1.2 GB/s, and it releases the GIL, so a verified commit stays close to a bare save and a verified
+resume close to a bare load. Manifests with CRC-32s (written before) still verify.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import contextlib
 import json
 import logging
 import math
+import mmap
 import os
 import shutil
 import signal
@@ -37,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list
 
@@ -79,13 +82,25 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written, or one that was asked for cannot be used."""
 
 
+def digest_file(path: Path) -> str:
+    """xxh3-64 of a file's bytes, hashed from an mmap (no copy; xxhash releases the GIL)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return xxhash.xxh3_64_hexdigest(b"")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+            return xxhash.xxh3_64_hexdigest(view)
+
+
 def crc32_file(path: Path) -> str:
-    """CRC-32 of a file's bytes (read in 8 MiB blocks; zlib releases the GIL)."""
+    """CRC-32 of a file's bytes, for manifests written before xxh3-64."""
     crc = 0
     with open(path, "rb") as f:
         while block := f.read(BLOCK):
             crc = zlib.crc32(block, crc)
     return f"{crc:08x}"
+
+
+DIGESTS = {"xxh3_64": digest_file, "crc32": crc32_file}
 
 
 def _parallel(fn, items: list, workers: int | None = None):
@@ -100,12 +115,12 @@ def seal(folder: Path) -> dict[str, dict[str, Any]]:
     from the page cache overlaps the disk flushing it.
     """
     paths = sorted(p for p in folder.rglob("*") if p.is_file())
-    tasks = [(fsync_file, p) for p in paths] + [(crc32_file, p) for p in paths]
+    tasks = [(fsync_file, p) for p in paths] + [(digest_file, p) for p in paths]
     results = _parallel(lambda task: task[0](task[1]), tasks, workers=min(len(tasks), 64))
     sums = results[len(paths) :]
     for d in sorted({p.parent for p in paths} | {folder}, key=lambda d: len(d.parts), reverse=True):
         fsync_dir(d)
-    return {str(p.relative_to(folder)): {"size": p.stat().st_size, "crc32": c} for p, c in zip(paths, sums, strict=True)}
+    return {str(p.relative_to(folder)): {"size": p.stat().st_size, "xxh3_64": c} for p, c in zip(paths, sums, strict=True)}
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
@@ -130,12 +145,16 @@ def problem(path: Path, checksums: bool = True) -> str | None:
     return checksum_problem(path) if checksums else None
 
 
-def checksum_problem(path: Path) -> str | None:
-    """The first file of checkpoint `path` whose CRC-32 differs from its manifest's (files read in parallel)."""
+def checksum_problem(path: Path, workers: int | None = None) -> str | None:
+    """The first file of checkpoint `path` whose digest differs from its manifest's (`workers` files at a time)."""
     files = read_manifest(path)["files"]
-    rels = list(files)
-    for rel, crc in zip(rels, _parallel(lambda r: crc32_file(Path(path) / r), rels), strict=True):
-        if crc != files[rel]["crc32"]:
+
+    def mismatch(rel: str) -> bool:
+        kind = next(k for k in DIGESTS if k in files[rel])
+        return DIGESTS[kind](Path(path) / rel) != files[rel][kind]
+
+    for rel, bad in zip(files, _parallel(mismatch, list(files), workers), strict=True):
+        if bad:
             return f"{rel} does not match its checksum (altered or damaged on disk)"
     return None
 
@@ -171,6 +190,7 @@ class CheckpointManager:
         self.metric, self.greater_is_better = metric_for_best_model, greater_is_better
         self._background: threading.Thread | None = None  # a background save, or pruning
         self._background_error: tuple[int, Exception] | None = None
+        self._staging: dict[tuple, torch.Tensor] = {}  # CPU buffers of background saves, reused from one to the next
         if accelerator.is_main_process:
             self.root.mkdir(parents=True, exist_ok=True)
             for leftover in [*self.root.glob(f".{PREFIX}*.partial"), *(p for p in self.checkpoints() if not (p / MANIFEST).is_file())]:
@@ -222,7 +242,8 @@ class CheckpointManager:
         """Load `path` on every rank while rank 0 checksums it; why it is unusable, or None."""
         acc = self.accelerator
         with ThreadPoolExecutor(1) as pool:
-            checked = pool.submit(checksum_problem, path) if checksums and acc.is_main_process else None
+            # One file at a time: hashing runs at memory speed, so more threads only slow the load down.
+            checked = pool.submit(checksum_problem, path, 1) if checksums and acc.is_main_process else None
             error = None
             try:
                 acc.load_state(str(path))
@@ -324,13 +345,20 @@ class CheckpointManager:
         rng.rmdir()
         if not acc.is_main_process:
             return None
-        copies: dict[int, torch.Tensor] = {}  # by storage, so tied weights stay tied
+        # One CPU buffer per storage, so tied weights stay tied. The buffers of the previous save are
+        # reused (its writer has finished): allocating and first touching 1.3 GB of fresh memory
+        # costs more than the copy itself. Pinned when a GPU is there, for an asynchronous D2H copy.
+        previous, copies = self._staging, {}
+        pin = torch.cuda.is_available()
 
         def to_cpu(value):
             if isinstance(value, torch.Tensor):
-                key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape))
+                key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), value.dtype)
                 if key not in copies:
-                    copies[key] = value.detach().to("cpu", copy=True)
+                    buffer = previous.pop(key, None)
+                    if buffer is None:
+                        buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=pin and value.is_cuda)
+                    copies[key] = buffer.copy_(value.detach(), non_blocking=pin)
                 return copies[key]
             if isinstance(value, dict):  # keeps OrderedDict: accelerate de-duplicates tied weights only in one
                 return type(value)((k, to_cpu(v)) for k, v in value.items())
@@ -341,6 +369,9 @@ class CheckpointManager:
         weights = [to_cpu(acc.get_state_dict(m, unwrap=False)) for m in acc._models]
         optimizers = [_Frozen(to_cpu(o.state_dict())) for o in acc._optimizers]
         schedulers = [_Frozen(to_cpu(s.state_dict())) for s in acc._schedulers]
+        if pin:
+            torch.cuda.synchronize()  # the non-blocking copies have landed before training changes the source
+        self._staging = copies
         return weights, optimizers, schedulers
 
     def _write_and_commit(self, work: Path, final: Path, step: int, manifest: dict[str, Any], staged) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import signal
@@ -11,7 +12,17 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from infra.checkpoint import CORRUPT, CheckpointError, CheckpointManager, SaveSchedule, TrainState, problem, read_manifest
+from infra.checkpoint import (
+    CORRUPT,
+    CheckpointError,
+    CheckpointManager,
+    SaveSchedule,
+    TrainState,
+    crc32_file,
+    problem,
+    read_manifest,
+)
+from infra.files import atomic_write_text
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +63,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(accelerator
     checkpoints.wait()
     assert [p.name for p in checkpoints.checkpoints()] == ["step_00000001", "step_00000002", "step_00000003"]
     newest = checkpoints.path(3)
-    assert problem(newest) is None and read_manifest(newest)["files"]["model.safetensors"]["crc32"]
+    assert problem(newest) is None and read_manifest(newest)["files"]["model.safetensors"]["xxh3_64"]
 
     target = newest / "model.safetensors"
     raw = bytearray(target.read_bytes())
@@ -75,6 +86,26 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(accelerator
     assert checkpoints.resume("auto") == (None, {})
     with pytest.raises(CheckpointError, match="cannot resume from .*step_00000009: no manifest.json"):
         checkpoints.resume(str(tmp_path / "checkpoints" / "step_00000009"))
+
+
+def test_checkpoints_with_crc32_manifests_still_verify(accelerator, trainer, tmp_path):
+    """Manifests written before xxh3-64 carry CRC-32s: they are checked as such, not waved through."""
+    _, state, step = trainer
+    checkpoints = manager(accelerator, tmp_path)
+    step()
+    checkpoints.save(state.step, {})
+    checkpoints.wait()
+    path = checkpoints.path(state.step)
+    manifest = read_manifest(path)
+    manifest["files"] = {rel: {"size": e["size"], "crc32": crc32_file(path / rel)} for rel, e in manifest["files"].items()}
+    atomic_write_text(path / "manifest.json", json.dumps(manifest))
+    assert problem(path) is None
+    with open(path / "model.safetensors", "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0x80]))
+    assert problem(path) == "model.safetensors does not match its checksum (altered or damaged on disk)"
 
 
 def test_a_full_disk_leaves_every_earlier_checkpoint_intact(accelerator, trainer, tmp_path):
@@ -170,23 +201,29 @@ def test_a_zero_checkpoint_from_another_world_size_is_refused(accelerator, train
 
 
 def test_a_background_save_holds_the_state_of_its_step(accelerator, trainer, tmp_path):
-    """Training goes on while the save is written; the checkpoint still holds the step's weights, optimizer and RNG."""
+    """Training goes on while the save is written; the checkpoint still holds the step's weights, optimizer and RNG.
+
+    Twice: the second save copies into the CPU buffers of the first.
+    """
     model, state, step = trainer
-    checkpoints = manager(accelerator, tmp_path)
-    step()
-    checkpoints.save(state.step, {}, background=True)
-    weights = model.weight.detach().clone()
-    next_draw = torch.rand(3)  # what the generator gives right after the save
-    for _ in range(3):  # moves weights, optimizer moments and the RNG on while rank 0 writes
+    checkpoints = manager(accelerator, tmp_path, save_total_limit=None)
+    sync = manager(accelerator, tmp_path / "sync", save_total_limit=None)
+    for _ in range(2):
         step()
-    checkpoints.wait()
-    assert problem(checkpoints.path(1)) is None
-    assert not torch.equal(model.weight, weights)
-    sync = manager(accelerator, tmp_path / "sync")
-    resume, _ = checkpoints.resume("auto")
-    assert resume == checkpoints.path(1) and torch.equal(model.weight, weights)
-    assert torch.equal(torch.rand(3), next_draw)
-    sync.save(1, {})  # the same state saved synchronously gives the same files
-    for name in ("model.safetensors", "optimizer.bin", "scheduler.bin"):
-        if (checkpoints.path(1) / name).exists():
-            assert (checkpoints.path(1) / name).read_bytes() == (sync.path(1) / name).read_bytes(), name
+        saved = state.step
+        checkpoints.save(saved, {}, background=True)
+        weights = model.weight.detach().clone()
+        next_draw = torch.rand(3)  # what the generator gives right after the save
+        for _ in range(3):  # moves weights, optimizer moments and the RNG on while rank 0 writes
+            step()
+        checkpoints.wait()
+        assert problem(checkpoints.path(saved)) is None
+        assert not torch.equal(model.weight, weights)
+        resume, _ = checkpoints.resume(str(checkpoints.path(saved)))
+        assert resume == checkpoints.path(saved) and torch.equal(model.weight, weights)
+        assert torch.equal(torch.rand(3), next_draw)
+        sync.save(saved, {})  # the same state saved synchronously gives the same files
+        for name in ("model.safetensors", "optimizer.bin", "scheduler.bin"):
+            if (checkpoints.path(saved) / name).exists():
+                assert (checkpoints.path(saved) / name).read_bytes() == (sync.path(saved) / name).read_bytes(), name
+        state.step = saved  # resumed: the counters come from the manifest in a recipe
