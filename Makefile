@@ -6,19 +6,22 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 RECIPE ?= pretrain_clm
-RUN_CONFIG ?= recipes/configs/pretrain_tiny.yaml
+RECIPES := $(sort $(basename $(notdir $(wildcard recipes/*.py))))
+RUN_CONFIG ?= recipes/configs/$(RECIPE).yaml
 # The launcher config: DDP on every GPU when there is one, else 2 CPU processes.
 ACCEL_CONFIG ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo accelerate_configs/ddp.yaml || echo accelerate_configs/cpu.yaml)
 ARGS ?=
 PORT ?= 5000
-EXPERIMENT ?= pretrain_clm
+EXPERIMENT ?= $(RECIPE)
 MLFLOW_DB := sqlite:///$(CURDIR)/mlflow.db
 
 .DEFAULT_GOAL := help
-.PHONY: help setup data train doctor test test-all ui compare plan bench lint format clean
+.PHONY: help setup data train doctor test test-all ui compare plan bench gpu-check lint format clean
 
-help:  ## list the targets
+help:  ## list the targets and the recipes
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@echo "recipes (make train RECIPE=<name>; each runs recipes/configs/<name>.yaml):"
+	@for r in $(RECIPES); do printf "  %-24s %s\n" $$r "$$(sed -n 's/^\"\"\"\(.*\)/\1/p' recipes/$$r.py | head -1)"; done
 
 setup: $(STAMP)  ## create .venv with the pinned requirements and infra installed (editable)
 
@@ -28,13 +31,33 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $@
 
-data: setup  ## tokenize and pack the default corpus (the Python standard library) into data/stdlib
+# What each recipe's default config needs before it starts: its prepared data (and for SFT, the pretrained model).
+NEEDS_pretrain_clm := data/stdlib/index.json
+NEEDS_sft_clm := data/sft_stdlib/index.json runs/pretrain_tiny/final/model.safetensors
+NEEDS_finetune_classification := data/cls_stdlib/index.json
+NEEDS_image_classification := data/digits/index.json
+
+data: $(NEEDS_$(RECIPE))  ## prepare the default data of RECIPE (pretraining: the Python standard library, tokenized and packed)
+
+data/stdlib/index.json: | $(STAMP)
 	$(BIN)/python -m infra.data.prepare --output_dir data/stdlib --num_proc 2
 
-train: data  ## pretrain the default model (RECIPE=, RUN_CONFIG=, ACCEL_CONFIG=, ARGS= to change)
+data/sft_stdlib/index.json: data/stdlib/index.json
+	$(BIN)/python -m infra.data.tasks --task sft --output_dir data/sft_stdlib --tokenizer data/stdlib/tokenizer
+
+data/cls_stdlib/index.json: | $(STAMP)
+	$(BIN)/python -m infra.data.tasks --task text_classification --output_dir data/cls_stdlib
+
+data/digits/index.json: | $(STAMP)
+	$(BIN)/python -m infra.data.tasks --task image_classification --output_dir data/digits
+
+runs/pretrain_tiny/final/model.safetensors: data/stdlib/index.json
+	$(MAKE) train RECIPE=pretrain_clm RUN_CONFIG=recipes/configs/pretrain_clm.yaml ARGS=
+
+train: setup data  ## train RECIPE (default pretrain_clm) with its config (RUN_CONFIG=, ACCEL_CONFIG=, ARGS= to change)
 	$(BIN)/accelerate launch --config_file $(ACCEL_CONFIG) recipes/$(RECIPE).py --config $(RUN_CONFIG) $(ARGS)
 
-doctor: data  ## preflight of the train job without training: devices, a collective, data checksums, a checkpoint round trip, disk, MLflow
+doctor: setup data  ## preflight of the train job without training: devices, a collective, data checksums, a checkpoint round trip, disk, MLflow
 	$(BIN)/accelerate launch --config_file $(ACCEL_CONFIG) recipes/$(RECIPE).py --config $(RUN_CONFIG) --preflight_only true $(ARGS)
 
 test: setup  ## run the test suite (multi-process tests included, slow ones not)
@@ -56,6 +79,9 @@ bench: data  ## benchmarks, as ratios to anchors measured in the same run (data,
 	$(BIN)/python benchmarks/data_pipeline.py
 	$(BIN)/python benchmarks/checkpoint_cost.py
 	$(BIN)/python benchmarks/recipe_overhead.py
+
+gpu-check: setup  ## on a GPU machine: every GPU config x every recipe for a few bf16 steps, tokens/s, images/s, MFU (< 8 min)
+	$(BIN)/python benchmarks/gpu_check.py $(ARGS)
 
 lint: setup  ## ruff: lint and format check over the whole tree
 	$(BIN)/ruff check .

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "recipes" / "configs" / "pretrain_tiny.yaml"
+CONFIG = REPO / "recipes" / "configs" / "pretrain_clm.yaml"
 WINDOW = 10
 
 

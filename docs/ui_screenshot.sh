@@ -8,7 +8,7 @@ store=$(mktemp -d)
 export MLFLOW_TRACKING_URI="sqlite:///$store/mlflow.db"
 for lr in 2e-3 6e-3; do
   .venv/bin/accelerate launch --config_file accelerate_configs/cpu.yaml recipes/pretrain_clm.py \
-    --config recipes/configs/pretrain_tiny.yaml --output_dir "$store/lr$lr" --learning_rate "$lr" \
+    --config recipes/configs/pretrain_clm.yaml --output_dir "$store/lr$lr" --learning_rate "$lr" \
     --run_name "lr$lr" --experiment_name readme
 done
 .venv/bin/python -m infra.compare --experiment readme --output docs/compare_readme.png

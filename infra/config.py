@@ -190,6 +190,35 @@ class TrainingArguments:
             )
 
 
+@dataclass
+class DataArguments:
+    data_dir: str = field(default="data/stdlib", metadata={"help": "Prepared shards (each recipe's YAML names its own)."})
+    eval_samples: int = field(
+        default=0, metadata={"help": "Hold out the last N samples of data_dir for eval (every eval_steps and at the end); 0: no eval."}
+    )
+    num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes per rank."})
+    shuffle_window: int = field(
+        default=1 << 18, metadata={"help": "Samples shuffled together after the shards are shuffled (see infra.data.loader.EpochOrder)."}
+    )
+    verify_data_checksums: bool = field(
+        default=False, metadata={"help": "sha256 every shard before training (in the preflight, on rank 0; make doctor always does)."}
+    )
+    trace_samples: bool = field(default=False, metadata={"help": "Log each step's global sample ids to OUTPUT_DIR/trace/rank{r}.jsonl."})
+
+    def __post_init__(self):
+        require(self.num_workers >= 0, "num_workers", self.num_workers, "an integer >= 0")
+        require(self.eval_samples >= 0, "eval_samples", self.eval_samples, "an integer >= 0")
+        require(self.shuffle_window >= 1, "shuffle_window", self.shuffle_window, "an integer >= 1")
+
+
+def check_data_and_training(data_args: DataArguments, args: TrainingArguments) -> None:
+    """What neither section can check alone."""
+    if args.keep_best and args.metric_for_best_model.startswith("eval/"):
+        require(
+            data_args.eval_samples > 0, "eval_samples", data_args.eval_samples, f"> 0 to rank checkpoints by {args.metric_for_best_model}"
+        )
+
+
 def require(ok: bool, name: str, value: Any, accepted: str) -> None:
     """Raise a one-sentence ConfigError unless `ok`."""
     if not ok:

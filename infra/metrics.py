@@ -6,9 +6,10 @@ import time
 
 
 class Throughput:
-    """Counts tokens and steps since the last `rate()` call and divides by the wall time."""
+    """Counts units (tokens, images) and steps since the last `rate()` call and divides by the wall time."""
 
-    def __init__(self):
+    def __init__(self, unit: str = "tokens"):
+        self.unit = unit
         self._start = time.perf_counter()
         self._tokens = 0
         self._steps = 0
@@ -23,11 +24,11 @@ class Throughput:
         self._waited += seconds
 
     def rate(self) -> dict[str, float]:
-        """tokens/s, and seconds per step and of data wait per step, since the previous call; then starts a new window."""
+        """units/s, and seconds per step and of data wait per step, since the previous call; then starts a new window."""
         now = time.perf_counter()
         elapsed = max(now - self._start, 1e-9)
         steps = max(self._steps, 1)
-        out = {"tokens_per_second": self._tokens / elapsed, "step_time": elapsed / steps, "data_wait": self._waited / steps}
+        out = {f"{self.unit}_per_second": self._tokens / elapsed, "step_time": elapsed / steps, "data_wait": self._waited / steps}
         self._start, self._tokens, self._steps, self._waited = now, 0, 0, 0.0
         return out
 
@@ -67,3 +68,16 @@ def peak_bf16_flops(device_name: str | None) -> float | None:
 def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
     """Training FLOPs per token: 6 per parameter (forward and backward) plus attention's 12 * layers * hidden * seq."""
     return 6.0 * num_params + 12.0 * num_layers * hidden_size * seq_len
+
+
+def classification_scores(confusion) -> dict[str, float]:
+    """Accuracy and macro F1 from a confusion matrix (rows: true class, columns: predicted), summed over every rank."""
+    confusion = confusion.double()
+    true_positive = confusion.diagonal()
+    predicted, actual = confusion.sum(0), confusion.sum(1)
+    f1 = 2 * true_positive / (predicted + actual).clamp(min=1)
+    present = actual > 0  # classes absent from the held-out set do not count toward the macro average
+    return {
+        "eval/accuracy": float(true_positive.sum() / confusion.sum().clamp(min=1)),
+        "eval/f1": float(f1[present].mean()) if present.any() else 0.0,
+    }

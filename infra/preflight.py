@@ -89,7 +89,8 @@ def data(dataset, checksums: bool) -> Check:
         except DataError as err:
             return Check("data", False, str(err))
     how = "sizes and sha256 verified" if checksums else "sizes verified (sha256 with verify_data_checksums)"
-    return Check("data", True, f"{len(dataset):,} samples of {dataset.seq_len} tokens in {len(dataset.index.shards)} shards, {how}")
+    what = f"{dataset.seq_len} tokens" if dataset.fields == ["input_ids"] else ", ".join(dataset.fields)
+    return Check("data", True, f"{len(dataset):,} samples of {what} in {len(dataset.index.shards)} shards, {how}")
 
 
 def writable(output_dir: str | os.PathLike) -> Check:
@@ -249,10 +250,17 @@ class EtaCheck:
     """After `after` steps from the start (the first excluded: it compiles and allocates), the pace and the time to the end."""
 
     def __init__(
-        self, accelerator: Accelerator, start_step: int, max_steps: int, tokens_per_step: int, budget_hours: float, after: int = 10
+        self,
+        accelerator: Accelerator,
+        start_step: int,
+        max_steps: int,
+        units_per_step: int,
+        budget_hours: float,
+        after: int = 10,
+        unit: str = "tokens",
     ):
         self.accelerator, self.start_step, self.max_steps = accelerator, start_step, max_steps
-        self.tokens_per_step, self.budget_hours, self.after = tokens_per_step, budget_hours, after
+        self.units_per_step, self.budget_hours, self.after, self.unit = units_per_step, budget_hours, after, unit
         self._t0: float | None = None
 
     def step(self, step: int) -> dict[str, float]:
@@ -263,7 +271,7 @@ class EtaCheck:
         rate = self.after / (time.perf_counter() - self._t0)
         hours = (self.max_steps - step) / rate / 3600
         self.accelerator.print(
-            f"pace: {rate:.2f} steps/s, {rate * self.tokens_per_step:,.0f} tokens/s; "
+            f"pace: {rate:.2f} steps/s, {rate * self.units_per_step:,.0f} {self.unit}/s; "
             f"{self.max_steps - step} steps to go take ~{_hours(hours)}"
         )
         if self.budget_hours and hours > self.budget_hours:

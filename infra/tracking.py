@@ -317,10 +317,17 @@ def log_model(model_dir: str | os.PathLike, task: str, registered_name: str | No
         return None
     try:
         import mlflow.transformers
-        from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+        import transformers
 
-        auto = AutoModelForCausalLM if task == "text-generation" else AutoModel
-        components = {"model": auto.from_pretrained(model_dir), "tokenizer": AutoTokenizer.from_pretrained(model_dir)}
+        model_class, processor_key, processor_class = {
+            "text-generation": ("AutoModelForCausalLM", "tokenizer", "AutoTokenizer"),
+            "text-classification": ("AutoModelForSequenceClassification", "tokenizer", "AutoTokenizer"),
+            "image-classification": ("AutoModelForImageClassification", "image_processor", "AutoImageProcessor"),
+        }[task]
+        components = {
+            "model": getattr(transformers, model_class).from_pretrained(model_dir),
+            processor_key: getattr(transformers, processor_class).from_pretrained(model_dir),
+        }
         # the requirements are ours, pinned: MLflow's own inference imports packages we do not use (torchvision)
         pins = [
             f"{package}=={version}" for package, version in package_versions().items() if package in ("torch", "transformers", "accelerate")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -314,3 +315,59 @@ def test_held_out_samples_never_reach_training_and_every_rank_evaluates_alike(sm
 
     with pytest.raises(DataError, match="eval_samples=315"):
         dataset.split(len(dataset))
+
+
+def test_shards_with_several_fields_read_row_for_row_and_are_verified(tmp_path):
+    """Images and labels (or tokens and masked labels) travel in one shard set; every field is checked."""
+    from infra.data.shards import DataIndex, write_shard
+
+    rng = np.random.default_rng(0)
+    index = DataIndex(
+        seq_len=0,
+        dtype="uint8",
+        vocab_size=0,
+        tokenizer="none",
+        source="test",
+        primary="pixel_values",
+        sample_shape=[1, 4, 4],
+        fields={"labels": {"dtype": "int16", "shape": []}},
+        labels=["a", "b", "c"],
+    )
+    pixels, labels = rng.integers(0, 17, (10, 1, 4, 4), dtype=np.uint8), np.arange(10, dtype=np.int16) % 3
+    for shard, rows in enumerate((slice(0, 6), slice(6, 10))):
+        index.shards.append(write_shard(tmp_path, shard, {"pixel_values": pixels[rows], "labels": labels[rows]}))
+    index.save(tmp_path)
+
+    dataset = PackedDataset(tmp_path, verify_checksums=True)
+    assert dataset.fields == ["pixel_values", "labels"] and DataIndex.load(tmp_path).labels == ["a", "b", "c"]
+    batch = dataset.__getitems__([7, 2, 9])
+    assert batch["pixel_values"].dtype == torch.uint8 and batch["labels"].dtype == torch.int64  # pixels as stored
+    assert torch.equal(batch["pixel_values"], torch.from_numpy(pixels[[7, 2, 9]]))
+    assert batch["labels"].tolist() == [1, 2, 0]
+    (train, held_out) = dataset.split(3)
+    loader = ResumableLoader(train, 2, seed=0, rank=0, world_size=1)
+    first = next(iter(loader))
+    assert set(first) == {"pixel_values", "labels"} and first["labels"].shape == (2,)
+    assert [s["labels"].item() for s in (held_out[i] for i in range(3))] == [1, 2, 0]
+
+    labels_file = tmp_path / "shard_00001.labels.npy"
+    labels_file.write_bytes(labels_file.read_bytes()[:-8])
+    with pytest.raises(DataError, match="shard_00001.labels.npy is truncated"):
+        PackedDataset(tmp_path)
+    labels_file.unlink()
+    with pytest.raises(DataError, match="shard_00001.labels.npy is listed in index.json but missing"):
+        PackedDataset(tmp_path)
+
+
+def test_version_1_indexes_still_read(small_data, tmp_path):
+    """Data prepared before fields existed (format_version 1, no fields) reads as before."""
+    old = tmp_path / "old"
+    shutil.copytree(small_data, old)
+    raw = json.loads((old / INDEX_FILE).read_text())
+    for key in ("primary", "sample_shape", "fields", "labels"):
+        raw.pop(key)
+    for shard in raw["shards"]:
+        shard.pop("fields")
+    raw["format_version"] = 1
+    (old / INDEX_FILE).write_text(json.dumps(raw))
+    assert torch.equal(PackedDataset(old, verify_checksums=True).__getitems__([0, 5]), PackedDataset(small_data).__getitems__([0, 5]))

@@ -112,8 +112,9 @@ class _RankBatches(torch.utils.data.Sampler):
 
 
 def _collate(batch):
-    """Datasets with `__getitems__` (PackedDataset) hand over a finished batch tensor."""
-    return batch if isinstance(batch, torch.Tensor) else torch.utils.data.default_collate(batch)
+    """Datasets with `__getitems__` (PackedDataset) hand over a finished batch: a tensor or a dict of them."""
+    finished = isinstance(batch, torch.Tensor) or (isinstance(batch, dict) and all(isinstance(v, torch.Tensor) for v in batch.values()))
+    return batch if finished else torch.utils.data.default_collate(batch)
 
 
 class ResumableLoader:

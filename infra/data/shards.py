@@ -2,9 +2,15 @@
 
 On disk (`DATA_DIR/`):
 
-    index.json            format version, sequence length, dtype, tokenizer, one entry per shard
-    shard_00000.npy       uint16/uint32 array of shape (num_samples, seq_len), memory-mapped when read
-    tokenizer/            the tokenizer the samples were made with (save_pretrained)
+    index.json            format version, sequence length, dtype, tokenizer, fields, one entry per shard
+    shard_00000.npy       the primary field (`input_ids`: uint16/uint32 of shape (num_samples, seq_len);
+                          or, say, `pixel_values`: uint8 of shape (num_samples, 1, 8, 8)), memory-mapped
+    shard_00000.labels.npy  each further field of the samples (labels, ...), row for row
+    tokenizer/            the tokenizer the samples were made with (save_pretrained), if any
+
+A data set of token ids alone reads as a LongTensor batch; one with several fields reads as a
+dict of tensors named by field. Integer fields are read as int64, except uint8 (pixels, masks),
+which stays as stored.
 
 Every file is written under a temporary name and renamed into place; `index.json` is written
 last, so a shard the index lists is always complete. The reader opens shards lazily with
@@ -23,7 +29,7 @@ import torch
 
 from infra.files import atomic_write_text, sha256_file
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 added fields besides the primary one; version 1 still reads
 INDEX_FILE = "index.json"
 TOKENIZER_DIR = "tokenizer"
 
@@ -34,24 +40,38 @@ class DataError(ValueError):
 
 @dataclass
 class ShardInfo:
-    file: str
+    file: str  # the primary field's
     num_samples: int
     sha256: str
+    fields: dict[str, dict[str, str]] = field(default_factory=dict)  # every further field: {"file", "sha256"}
+
+    def files(self, primary: str) -> dict[str, tuple[str, str]]:
+        """Every field's (file, sha256), the primary first."""
+        return {primary: (self.file, self.sha256), **{k: (v["file"], v["sha256"]) for k, v in self.fields.items()}}
 
 
 @dataclass
 class DataIndex:
-    seq_len: int
-    dtype: str
+    seq_len: int  # tokens per sample (0 where samples are not token sequences)
+    dtype: str  # the primary field's
     vocab_size: int
-    tokenizer: str  # what the tokenizer was made from: "trained:<corpus>" or a path / hub id
+    tokenizer: str  # what the tokenizer was made from: "trained:<corpus>", a path / hub id, or "none"
     source: str
     shards: list[ShardInfo] = field(default_factory=list)
     format_version: int = FORMAT_VERSION
+    primary: str = "input_ids"
+    sample_shape: list[int] | None = None  # the primary field's shape per sample; None: [seq_len]
+    fields: dict[str, dict] = field(default_factory=dict)  # every further field: {"dtype", "shape"} per sample
+    labels: list[str] = field(default_factory=list)  # class names, for classification data
 
     @property
     def num_samples(self) -> int:
         return sum(s.num_samples for s in self.shards)
+
+    def layout(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+        """Every field's stored dtype and per-sample shape, the primary first."""
+        primary = (np.dtype(self.dtype), tuple(self.sample_shape if self.sample_shape is not None else [self.seq_len]))
+        return {self.primary: primary, **{k: (np.dtype(v["dtype"]), tuple(v["shape"])) for k, v in self.fields.items()}}
 
     def save(self, data_dir: Path) -> None:
         atomic_write_text(data_dir / INDEX_FILE, json.dumps(asdict(self), indent=2))
@@ -62,8 +82,8 @@ class DataIndex:
         if not path.is_file():
             raise DataError(f"{path} does not exist: prepare the data first (make data, or python -m infra.data.prepare)")
         raw = json.loads(path.read_text())
-        if raw.get("format_version") != FORMAT_VERSION:
-            raise DataError(f"{path}: format_version {raw.get('format_version')!r} is not the supported {FORMAT_VERSION}")
+        if raw.get("format_version") not in (1, FORMAT_VERSION):
+            raise DataError(f"{path}: format_version {raw.get('format_version')!r} is not one of the supported 1, {FORMAT_VERSION}")
         raw["shards"] = [ShardInfo(**s) for s in raw["shards"]]
         return cls(**raw)
 
@@ -82,27 +102,47 @@ def save_npy(path: Path, array: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def write_shard(data_dir: Path, shard_id: int, samples: np.ndarray) -> ShardInfo:
-    """Write one shard atomically and return its index entry."""
-    path = data_dir / f"shard_{shard_id:05d}.npy"
-    save_npy(path, samples)
-    return ShardInfo(file=path.name, num_samples=len(samples), sha256=sha256_file(path))
+def write_shard(data_dir: Path, shard_id: int, samples: np.ndarray | dict[str, np.ndarray]) -> ShardInfo:
+    """Write one shard atomically and return its index entry: an array, or a dict of fields (the primary first)."""
+    fields = samples if isinstance(samples, dict) else {"": samples}
+    if len({len(rows) for rows in fields.values()}) != 1:
+        raise ValueError(f"the fields of shard {shard_id} have different numbers of samples: { {k: len(v) for k, v in fields.items()} }")
+    written = []
+    for name, rows in fields.items():
+        path = data_dir / (f"shard_{shard_id:05d}.{name}.npy" if written else f"shard_{shard_id:05d}.npy")
+        save_npy(path, rows)
+        written.append((name, {"file": path.name, "sha256": sha256_file(path)}))
+    (_, first), extra = written[0], dict(written[1:])
+    return ShardInfo(file=first["file"], num_samples=len(next(iter(fields.values()))), sha256=first["sha256"], fields=extra)
 
 
 def verify(data_dir: Path, index: DataIndex, checksums: bool) -> None:
     """Raise DataError naming the first shard that is missing, truncated or (with checksums) altered."""
     if index.num_samples == 0:
         raise DataError(f"{data_dir}: the index lists no samples (was the source empty or shorter than seq_len?)")
-    itemsize = np.dtype(index.dtype).itemsize
+    layout = index.layout()
     for shard in index.shards:
-        path = Path(data_dir) / shard.file
-        if not path.is_file():
-            raise DataError(f"{path} is listed in {INDEX_FILE} but missing")
-        payload = shard.num_samples * index.seq_len * itemsize
-        if path.stat().st_size < payload:
-            raise DataError(f"{path} is truncated: {path.stat().st_size} bytes, expected more than {payload}")
-        if checksums and sha256_file(path) != shard.sha256:
-            raise DataError(f"{path} does not match the sha256 in {INDEX_FILE}: the file was altered or damaged")
+        for name, (file, digest) in shard.files(index.primary).items():
+            path = Path(data_dir) / file
+            if not path.is_file():
+                raise DataError(f"{path} is listed in {INDEX_FILE} but missing")
+            dtype, shape = layout[name]
+            stored, start = _npy_header(path)
+            if stored != (dtype, (shard.num_samples, *shape)):
+                raise DataError(f"{path} holds {stored[1]} {stored[0]}, the index says {(shard.num_samples, *shape)} {dtype}")
+            expected = start + shard.num_samples * int(np.prod(shape)) * dtype.itemsize
+            if path.stat().st_size < expected:
+                raise DataError(f"{path} is truncated: {path.stat().st_size} bytes, expected {expected}")
+            if checksums and sha256_file(path) != digest:
+                raise DataError(f"{path} does not match the sha256 in {INDEX_FILE}: the file was altered or damaged")
+
+
+def _npy_header(path: Path) -> tuple[tuple[np.dtype, tuple[int, ...]], int]:
+    """((dtype, shape), offset of the data) from a .npy file's header, without reading the data."""
+    with open(path, "rb") as f:
+        major, _ = np.lib.format.read_magic(f)
+        shape, _, dtype = (np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0)(f)
+        return (dtype, tuple(shape)), f.tell()
 
 
 def check_fits_model(index: DataIndex, eos_token_id: int, model_config) -> None:
@@ -124,7 +164,8 @@ def check_fits_model(index: DataIndex, eos_token_id: int, model_config) -> None:
 
 
 class PackedDataset(torch.utils.data.Dataset):
-    """Map-style view of all shards: sample `i` of the global sample space -> LongTensor[seq_len].
+    """Map-style view of all shards: sample `i` of the global sample space -> LongTensor[seq_len]
+    (or, for data with several fields, a dict of tensors).
 
     Shards are memory-mapped on first touch in each process (DataLoader workers included); at most
     `max_open_shards` stay mapped, the least recently opened are closed first. The loader's order
@@ -138,7 +179,9 @@ class PackedDataset(torch.utils.data.Dataset):
         self.index = DataIndex.load(self.data_dir)
         verify(self.data_dir, self.index, checksums=verify_checksums)
         self._starts = np.cumsum([0] + self.shard_sizes)
-        self._maps: dict[int, np.ndarray] = {}
+        self._maps: dict[tuple[int, str], np.ndarray] = {}
+        self._layout = self.index.layout()
+        self._tokens_only = list(self._layout) == ["input_ids"]
 
     @property
     def seq_len(self) -> int:
@@ -155,27 +198,35 @@ class PackedDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return int(self._starts[-1])
 
-    def _rows(self, shard: int) -> np.ndarray:
-        rows = self._maps.get(shard)
+    @property
+    def fields(self) -> list[str]:
+        return list(self._layout)
+
+    def _rows(self, shard: int, name: str) -> np.ndarray:
+        rows = self._maps.get((shard, name))
         if rows is None:  # a plain ndarray over the map: np.memmap's indexing costs a few µs more per row
-            rows = np.load(self.data_dir / self.index.shards[shard].file, mmap_mode="r").view(np.ndarray)
+            file = self.index.shards[shard].files(self.index.primary)[name][0]
+            rows = np.load(self.data_dir / file, mmap_mode="r").view(np.ndarray)
             if len(self._maps) >= self.max_open_shards:  # each map holds a file descriptor: close the oldest
                 del self._maps[next(iter(self._maps))]
-            self._maps[shard] = rows
+            self._maps[(shard, name)] = rows
         return rows
 
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.__getitems__([i])[0]
+    def __getitem__(self, i: int) -> torch.Tensor | dict[str, torch.Tensor]:
+        return _first(self.__getitems__([i]))
 
-    def __getitems__(self, ids: list[int]) -> torch.Tensor:
-        """A batch as one tensor (the DataLoader calls this instead of `__getitem__` per sample)."""
+    def __getitems__(self, ids: list[int]) -> torch.Tensor | dict[str, torch.Tensor]:
+        """A batch as one tensor, or a dict of them (the DataLoader calls this instead of `__getitem__` per sample)."""
         ids = _sample_ids(ids, len(self))
         shards = np.searchsorted(self._starts, ids, side="right") - 1
         rows = (ids - self._starts[shards]).tolist()
-        out = np.empty((len(ids), self.seq_len), dtype=np.int64)
-        for j, (shard, row) in enumerate(zip(shards.tolist(), rows, strict=True)):
-            out[j] = self._rows(shard)[row]
-        return torch.from_numpy(out)
+        batch = {}
+        for name, (dtype, shape) in self._layout.items():
+            out = np.empty((len(ids), *shape), dtype=np.int64 if dtype.kind in "iu" and dtype != np.uint8 else dtype)
+            for j, (shard, row) in enumerate(zip(shards.tolist(), rows, strict=True)):
+                out[j] = self._rows(shard, name)[row]
+            batch[name] = torch.from_numpy(out)
+        return batch["input_ids"] if self._tokens_only else batch
 
     def __getstate__(self):  # workers reopen their own maps
         state = self.__dict__.copy()
@@ -213,11 +264,15 @@ class SampleRange(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.stop - self.start
 
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.__getitems__([i])[0]
+    def __getitem__(self, i: int) -> torch.Tensor | dict[str, torch.Tensor]:
+        return _first(self.__getitems__([i]))
 
-    def __getitems__(self, ids: list[int]) -> torch.Tensor:
+    def __getitems__(self, ids: list[int]) -> torch.Tensor | dict[str, torch.Tensor]:
         return self.parent.__getitems__(_sample_ids(ids, len(self)) + self.start)
+
+
+def _first(batch):
+    return {k: v[0] for k, v in batch.items()} if isinstance(batch, dict) else batch[0]
 
 
 def _sample_ids(ids, n: int) -> np.ndarray:

@@ -6,8 +6,10 @@ Local files and hub datasets go through `datasets` in streaming mode.
 
 from __future__ import annotations
 
+import ast
 import glob
 import sysconfig
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,17 +50,38 @@ def _documents(source: str, text_column: str, split: str) -> Iterator[str]:
             yield path.read_text(encoding="utf-8", errors="replace")
         return
 
-    import datasets
-
-    files = local_files(source)
-    if files:
-        suffixes = {Path(f).suffix for f in files}
-        if len(suffixes) != 1 or next(iter(suffixes)) not in _BUILDERS:
-            raise ValueError(f"source={source!r} mixes or names unsupported file types {sorted(suffixes)}: use one of {sorted(_BUILDERS)}")
-        stream = datasets.load_dataset(_BUILDERS[suffixes.pop()], data_files=files, split="train", streaming=True)
-    else:  # a dataset on the hub (or a local dataset script)
-        stream = datasets.load_dataset(source, split=split, streaming=True)
+    stream = iter_rows(source, split)
     for row in stream:
         if text_column not in row:
             raise ValueError(f"text_column={text_column!r} is not a column of {source!r}: it has {sorted(row)}")
         yield row[text_column]
+
+
+def iter_rows(source: str, split: str = "train") -> Iterator[dict]:
+    """Rows of local json/jsonl/parquet/csv files, of a folder of images (one subfolder per label), or of a hub dataset."""
+    import datasets
+
+    files = local_files(source)
+    if Path(source).is_dir() and not files:  # no table files in it: a folder of images
+        return iter(datasets.load_dataset("imagefolder", data_dir=source, split="train", streaming=True))
+    if files:
+        suffixes = {Path(f).suffix for f in files}
+        if len(suffixes) != 1 or next(iter(suffixes)) not in _BUILDERS:
+            raise ValueError(f"source={source!r} mixes or names unsupported file types {sorted(suffixes)}: use one of {sorted(_BUILDERS)}")
+        return iter(datasets.load_dataset(_BUILDERS[suffixes.pop()], data_files=files, split="train", streaming=True))
+    return iter(datasets.load_dataset(source, split=split, streaming=True))  # a dataset on the hub (or a local script)
+
+
+def stdlib_functions() -> Iterator[tuple[str, ast.FunctionDef, str]]:
+    """(module, function node, source text of the function) for every documented public function of the standard library."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for path in stdlib_files():
+        text = path.read_text(encoding="utf-8", errors="replace")
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:  # a few files are deliberately broken (lib2to3 fixtures and the like)
+            continue
+        module = ".".join(path.relative_to(root).with_suffix("").parts)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not node.name.startswith("_") and ast.get_docstring(node):
+                yield module, node, textwrap.dedent(ast.get_source_segment(text, node, padded=True) or "")

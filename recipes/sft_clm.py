@@ -1,0 +1,99 @@
+"""Supervised fine-tuning of a pretrained causal LM on prompt/response pairs, the loss on the response only.
+
+    make train RECIPE=sft_clm                                          # the default, on this machine
+    accelerate launch --config_file accelerate_configs/cpu.yaml recipes/sft_clm.py \
+        --config recipes/configs/sft_clm.yaml                          # 2 CPU processes (gloo)
+    accelerate launch --config_file accelerate_configs/zero3.yaml recipes/sft_clm.py \
+        --config recipes/configs/sft_clm.yaml --model_name_or_path my/model --data_dir data/mine
+
+The data comes from `python -m infra.data.tasks --task sft` (chat template applied, labels -100
+outside the response); by default docstring -> function pairs of the Python standard library, and
+the model `make train` exported. Any flag overrides the YAML; the run resumes by itself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from infra.config import DataArguments, TrainingArguments, check_data_and_training, parse_config, resolved
+from infra.data import check_fits_model
+from infra.loop import Job, build_optimizer, build_scheduler, exit_on, make_loader, model_source, open_data, start, train
+from infra.metrics import flops_per_token
+from infra.tracking import run_status
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str = field(
+        default="runs/pretrain_tiny/final", metadata={"help": "The pretrained causal LM: a from_pretrained path or hub id."}
+    )
+
+
+def sft_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean loss over the response tokens of the micro-batch (labels are -100 elsewhere; the model shifts them)."""
+    return model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+
+
+def sft_eval(accelerator, model, batches) -> dict[str, float]:
+    """Loss per response token over the held-out pairs, all ranks together."""
+    total = torch.zeros(2, device=accelerator.device)  # sum of token losses, response tokens
+    for batch in batches:
+        tokens = (batch["labels"][:, 1:] != -100).sum().float()
+        total += torch.stack([sft_loss(model, batch).float() * tokens, tokens])
+    loss_sum, tokens = accelerator.reduce(total, "sum").tolist()
+    loss = loss_sum / max(tokens, 1.0)
+    return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
+
+
+def main(argv: list[str] | None = None) -> None:
+    model_args, data_args, args = parse_config(
+        (ModelArguments, DataArguments, TrainingArguments), argv, check=lambda m, d, a: check_data_and_training(d, a)
+    )
+    config = resolved(model_args, data_args, args)
+    source = model_source(model_args.model_name_or_path, "run `make train` first (it exports runs/pretrain_tiny/final)")
+    dataset, train_set, held_out, preflight_hashes = open_data(
+        data_args, args, ("input_ids", "labels"), "python -m infra.data.tasks --task sft"
+    )
+    tokenizer = AutoTokenizer.from_pretrained(dataset.tokenizer_dir)  # the model's, with the chat template the data was made with
+    accelerator = start(args)
+
+    with exit_on(OSError, "model error"):
+        model = AutoModelForCausalLM.from_pretrained(source)
+    try:
+        check_fits_model(dataset.index, tokenizer.eos_token_id, model.config)
+    except ValueError as err:
+        raise SystemExit(f"data error: {err}") from None
+    optimizer = build_optimizer(model, args)
+    mc = model.config
+    flops = flops_per_token(sum(p.numel() for p in model.parameters()), mc.num_hidden_layers, mc.hidden_size, dataset.seq_len)
+    loader, cursor = make_loader(accelerator, train_set, held_out, data_args, args)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    scheduler = accelerator.prepare_scheduler(build_scheduler(optimizer, args))
+
+    job = Job(
+        name="sft_clm",
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        dataset=dataset,
+        loader=loader,
+        cursor=cursor,
+        held_out=held_out,
+        loss=sft_loss,
+        evaluate=sft_eval,
+        processor=tokenizer,
+        task="text-generation",
+        unit="tokens",  # padded sample length: the tokens the model processes, response or not
+        units_per_sample=dataset.seq_len,
+        flops_per_unit=flops,
+    )
+    train(accelerator, args, config, job, data_checksums=preflight_hashes)
+
+
+if __name__ == "__main__":
+    with run_status():
+        main()
