@@ -81,11 +81,11 @@ def collective(accelerator: Accelerator) -> Check:
 
 def data(dataset, checksums: bool) -> Check:
     """The data set as opened (PackedDataset checked the index and every shard's size), and with `checksums` every shard's sha256."""
-    from infra.data.shards import DataError, verify
+    from infra.data.shards import DataError
 
     if checksums:
         try:
-            verify(dataset.data_dir, dataset.index, checksums=True)
+            dataset.check(checksums=True)
         except DataError as err:
             return Check("data", False, str(err))
     how = "sizes and sha256 verified" if checksums else "sizes verified (sha256 with verify_data_checksums)"

@@ -78,3 +78,34 @@ def launch(accelerate_config: str, recipe_args: list[str], tmp_path: Path, timeo
     if proc.returncode != 0:
         print(proc.stdout[-5000:], proc.stderr[-8000:], sep="\n")
     return proc
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """An S3-compatible server (moto) on 127.0.0.1, and the environment that points boto/s3fs at it."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    yield env
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch, tmp_path):
+    """This test's environment pointed at the S3 server (launched processes inherit it), with a fresh bucket and cache."""
+    import fsspec
+
+    for key, value in {**s3_server, "INFRA_DATA_CACHE": str(tmp_path / "cache")}.items():
+        monkeypatch.setenv(key, value)
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    bucket = f"test-{tmp_path.name.lower().replace('_', '-')[-40:]}"
+    fs.mkdir(bucket)
+    return fs, bucket

@@ -371,3 +371,35 @@ def test_version_1_indexes_still_read(small_data, tmp_path):
     raw["format_version"] = 1
     (old / INDEX_FILE).write_text(json.dumps(raw))
     assert torch.equal(PackedDataset(old, verify_checksums=True).__getitems__([0, 5]), PackedDataset(small_data).__getitems__([0, 5]))
+
+
+def test_shards_on_object_storage_read_through_a_checked_cache(s3, small_data, tmp_path):
+    """s3:// data reads as the local copy does; shards are fetched on first touch; a damaged one is refused by name."""
+    fs, bucket = s3
+    fs.put(str(small_data), f"{bucket}/small", recursive=True)
+    url = f"s3://{bucket}/small"
+    local, remote = PackedDataset(small_data), PackedDataset(url)
+    assert len(remote) == len(local) and remote.fields == local.fields
+    cache = remote.data_dir
+    assert cache.is_relative_to(tmp_path / "cache") and not list(cache.glob("shard_*.npy"))  # nothing fetched yet
+    ids = [0, 33, len(local) - 1]
+    assert torch.equal(remote.__getitems__(ids), local.__getitems__(ids))
+    assert len(list(cache.glob("shard_*.npy"))) == 3  # the three shards those samples live in, no more
+    assert (remote.tokenizer_dir / "tokenizer.json").is_file()
+    loader = ResumableLoader(remote.split(0)[0], 4, seed=0, rank=0, world_size=1, num_workers=2)  # workers fetch too
+    assert torch.equal(next(iter(loader)), next(iter(ResumableLoader(local.split(0)[0], 4, seed=0, rank=0, world_size=1))))
+
+    name = local.index.shards[1].file
+    raw = bytearray((small_data / name).read_bytes())
+    raw[-1] ^= 0xFF
+    fs.pipe(f"{bucket}/small/{name}", bytes(raw))  # same size, altered: the index is unchanged, so is the cache folder
+    (cache / name).unlink(missing_ok=True)
+    with pytest.raises(DataError, match=f"s3://{bucket}/small/{name} does not match the sha256"):
+        PackedDataset(url, verify_checksums=True)
+    fs.pipe(f"{bucket}/small/{name}", bytes(raw[:200]))  # cut short: caught on the way in, without checksums
+    with pytest.raises(DataError, match=f"s3://{bucket}/small/{name} is truncated"):
+        PackedDataset(url).__getitems__([32])
+    assert not list(cache.glob("*.tmp"))  # nothing half-fetched left behind
+    fs.rm(f"{bucket}/small/{name}")
+    with pytest.raises(DataError, match=f"s3://{bucket}/small/{name} is listed in index.json but missing"):
+        PackedDataset(url)

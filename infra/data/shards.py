@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from infra.data.remote import RemoteDir, is_remote
 from infra.files import atomic_write_text, sha256_file
 
 FORMAT_VERSION = 2  # 2 added fields besides the primary one; version 1 still reads
@@ -120,21 +123,40 @@ def verify(data_dir: Path, index: DataIndex, checksums: bool) -> None:
     """Raise DataError naming the first shard that is missing, truncated or (with checksums) altered."""
     if index.num_samples == 0:
         raise DataError(f"{data_dir}: the index lists no samples (was the source empty or shorter than seq_len?)")
+    for path, check in file_checks(data_dir, index, checksums):
+        if not path.is_file():
+            raise DataError(f"{path} is listed in {INDEX_FILE} but missing")
+        check(path)
+
+
+def file_checks(data_dir: Path, index: DataIndex, checksums: bool, where: str | None = None) -> list[tuple[Path, Callable[[Path], None]]]:
+    """(path, check) for every file the index lists: check(p) raises DataError unless `p` holds what the index says
+    (errors name the file under `where`, the remote URL say, or under data_dir)."""
     layout = index.layout()
+    out = []
     for shard in index.shards:
         for name, (file, digest) in shard.files(index.primary).items():
-            path = Path(data_dir) / file
-            if not path.is_file():
-                raise DataError(f"{path} is listed in {INDEX_FILE} but missing")
             dtype, shape = layout[name]
-            stored, start = _npy_header(path)
-            if stored != (dtype, (shard.num_samples, *shape)):
-                raise DataError(f"{path} holds {stored[1]} {stored[0]}, the index says {(shard.num_samples, *shape)} {dtype}")
-            expected = start + shard.num_samples * int(np.prod(shape)) * dtype.itemsize
-            if path.stat().st_size < expected:
-                raise DataError(f"{path} is truncated: {path.stat().st_size} bytes, expected {expected}")
-            if checksums and sha256_file(path) != digest:
-                raise DataError(f"{path} does not match the sha256 in {INDEX_FILE}: the file was altered or damaged")
+            shape = (shard.num_samples, *shape)
+            label = f"{where}/{file}" if where else str(Path(data_dir) / file)
+            out.append(
+                (Path(data_dir) / file, partial(_check_file, label=label, dtype=dtype, shape=shape, digest=digest if checksums else None))
+            )
+    return out
+
+
+def _check_file(path: Path, label: str, dtype: np.dtype, shape: tuple[int, ...], digest: str | None) -> None:
+    try:
+        stored, start = _npy_header(path)
+    except ValueError as err:  # not an .npy file at all, or its header is cut
+        raise DataError(f"{label} is not a readable .npy file ({err})") from None
+    if stored != (dtype, shape):
+        raise DataError(f"{label} holds {stored[1]} {stored[0]}, the index says {shape} {dtype}")
+    expected = start + int(np.prod(shape)) * dtype.itemsize
+    if path.stat().st_size < expected:
+        raise DataError(f"{label} is truncated: {path.stat().st_size} bytes, expected {expected}")
+    if digest is not None and sha256_file(path) != digest:
+        raise DataError(f"{label} does not match the sha256 in {INDEX_FILE}: the file was altered or damaged")
 
 
 def _npy_header(path: Path) -> tuple[tuple[np.dtype, tuple[int, ...]], int]:
@@ -175,13 +197,40 @@ class PackedDataset(torch.utils.data.Dataset):
     max_open_shards = 512
 
     def __init__(self, data_dir: str | os.PathLike, verify_checksums: bool = False):
-        self.data_dir = Path(data_dir)
+        self.source = str(data_dir)  # a folder, or an fsspec URL read through a local cache (infra.data.remote)
+        self.remote = RemoteDir(self.source) if is_remote(self.source) else None
+        self.data_dir = self.remote.open() if self.remote else Path(data_dir)
         self.index = DataIndex.load(self.data_dir)
-        verify(self.data_dir, self.index, checksums=verify_checksums)
+        self.check(checksums=verify_checksums)
+        where = self.remote.url if self.remote else None
+        self._checks = {path.name: check for path, check in file_checks(self.data_dir, self.index, False, where)}
         self._starts = np.cumsum([0] + self.shard_sizes)
         self._maps: dict[tuple[int, str], np.ndarray] = {}
         self._layout = self.index.layout()
         self._tokens_only = list(self._layout) == ["input_ids"]
+
+    def check(self, checksums: bool) -> None:
+        """Raise DataError naming the first shard file that is missing, truncated or (with checksums) altered.
+
+        Remote data: one listing shows every file is there; with checksums every file is fetched
+        into the cache (a cached copy is hashed, and fetched again if it does not match).
+        """
+        if self.remote is None:
+            return verify(self.data_dir, self.index, checksums)
+        listed = self.remote.sizes()
+        for path, check in file_checks(self.data_dir, self.index, checksums, self.remote.url):
+            if path.name not in listed:
+                raise DataError(f"{self.remote.url}/{path.name} is listed in {INDEX_FILE} but missing")
+            if checksums and path.is_file():  # the cached copy is what the run reads: hash it, fetch again if it is bad
+                try:
+                    check(path)
+                except DataError:
+                    path.unlink()
+            if checksums:
+                self.remote.fetch(path.name, check)  # checked whole on the way in
+        if self.index.num_samples == 0:
+            raise DataError(f"{self.source}: the index lists no samples")
+        return None
 
     @property
     def seq_len(self) -> int:
@@ -206,7 +255,8 @@ class PackedDataset(torch.utils.data.Dataset):
         rows = self._maps.get((shard, name))
         if rows is None:  # a plain ndarray over the map: np.memmap's indexing costs a few µs more per row
             file = self.index.shards[shard].files(self.index.primary)[name][0]
-            rows = np.load(self.data_dir / file, mmap_mode="r").view(np.ndarray)
+            path = self.remote.fetch(file, self._checks[file]) if self.remote else self.data_dir / file
+            rows = np.load(path, mmap_mode="r").view(np.ndarray)
             if len(self._maps) >= self.max_open_shards:  # each map holds a file descriptor: close the oldest
                 del self._maps[next(iter(self._maps))]
             self._maps[(shard, name)] = rows
