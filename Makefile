@@ -46,7 +46,7 @@ data/sft_stdlib/index.json: data/stdlib/index.json
 	$(BIN)/python -m infra.data.tasks --task sft --output_dir data/sft_stdlib --tokenizer data/stdlib/tokenizer
 
 data/cls_stdlib/index.json: | $(STAMP)
-	$(BIN)/python -m infra.data.tasks --task text_classification --output_dir data/cls_stdlib
+	$(BIN)/python -m infra.data.tasks --task text_classification --output_dir data/cls_stdlib --seq_len 128
 
 data/digits/index.json: | $(STAMP)
 	$(BIN)/python -m infra.data.tasks --task image_classification --output_dir data/digits

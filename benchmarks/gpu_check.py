@@ -30,7 +30,17 @@ RECIPES = ["pretrain_clm", "sft_clm", "finetune_classification", "image_classifi
 DATA = {
     "pretrain_clm": ["python", "-m", "infra.data.prepare", "--output_dir", "data/stdlib", "--num_proc", "4"],
     "sft_clm": ["python", "-m", "infra.data.tasks", "--task", "sft", "--output_dir", "data/sft_stdlib"],
-    "finetune_classification": ["python", "-m", "infra.data.tasks", "--task", "text_classification", "--output_dir", "data/cls_stdlib"],
+    "finetune_classification": [
+        "python",
+        "-m",
+        "infra.data.tasks",
+        "--task",
+        "text_classification",
+        "--output_dir",
+        "data/cls_stdlib",
+        "--seq_len",
+        "128",
+    ],
     "image_classification": ["python", "-m", "infra.data.tasks", "--task", "image_classification", "--output_dir", "data/digits"],
 }
 AUTO = {

@@ -345,20 +345,30 @@ class CheckpointManager:
         rng.rmdir()
         if not acc.is_main_process:
             return None
-        # One CPU buffer per storage, so tied weights stay tied. The buffers of the previous save are
-        # reused (its writer has finished): allocating and first touching 1.3 GB of fresh memory
-        # costs more than the copy itself. Pinned when a GPU is there, for an asynchronous D2H copy.
+        # One CPU buffer per tensor view, so tied weights stay tied. The buffers of the previous save
+        # are reused (its writer has finished): allocating and first touching 1.3 GB of fresh memory
+        # costs more than the copy itself. So rank 0 holds one CPU copy of the state while async_save
+        # is on. Pinned for GPU tensors, for an asynchronous device-to-host copy.
         previous, copies = self._staging, {}
-        pin = torch.cuda.is_available()
+        on_gpu = False
 
         def to_cpu(value):
+            nonlocal on_gpu
             if isinstance(value, torch.Tensor):
-                key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), value.dtype)
+                key = (
+                    value.device,
+                    value.untyped_storage().data_ptr(),
+                    value.storage_offset(),
+                    value.stride(),
+                    tuple(value.shape),
+                    value.dtype,
+                )
                 if key not in copies:
                     buffer = previous.pop(key, None)
                     if buffer is None:
-                        buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=pin and value.is_cuda)
-                    copies[key] = buffer.copy_(value.detach(), non_blocking=pin)
+                        buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
+                    copies[key] = buffer.copy_(value.detach(), non_blocking=value.is_cuda)
+                    on_gpu |= value.is_cuda
                 return copies[key]
             if isinstance(value, dict):  # keeps OrderedDict: accelerate de-duplicates tied weights only in one
                 return type(value)((k, to_cpu(v)) for k, v in value.items())
@@ -369,7 +379,7 @@ class CheckpointManager:
         weights = [to_cpu(acc.get_state_dict(m, unwrap=False)) for m in acc._models]
         optimizers = [_Frozen(to_cpu(o.state_dict())) for o in acc._optimizers]
         schedulers = [_Frozen(to_cpu(s.state_dict())) for s in acc._schedulers]
-        if pin:
+        if on_gpu:
             torch.cuda.synchronize()  # the non-blocking copies have landed before training changes the source
         self._staging = copies
         return weights, optimizers, schedulers

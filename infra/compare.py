@@ -20,7 +20,7 @@ COLUMNS = (
     ("steps", 7),
     ("final loss", 10),
     ("eval loss", 10),
-    ("tokens/s", 10),
+    ("throughput", 14),
     ("run id", 8),
 )
 
@@ -34,7 +34,7 @@ def rows(client, runs, metric: str) -> list[tuple[str, ...]]:
     for run in runs:
         last = run.data.metrics
         loss = last.get(metric)
-        rate = last.get("perf/tokens_per_second")
+        unit, rate = next(((k[5:-11], v) for k, v in last.items() if k.startswith("perf/") and k.endswith("_per_second")), ("", None))
         batch = f"{_param(run, 'per_device_train_batch_size')}x{_param(run, 'gradient_accumulation_steps')}"
         out.append(
             (
@@ -45,7 +45,7 @@ def rows(client, runs, metric: str) -> list[tuple[str, ...]]:
                 _param(run, "max_steps"),
                 f"{loss:.4f}" if loss is not None else "-",
                 f"{last['eval/loss']:.4f}" if "eval/loss" in last else "-",
-                f"{rate:,.0f}" if rate is not None else "-",
+                f"{rate:,.0f} {unit}/s" if rate is not None else "-",
                 run.info.run_id[:8],
             )
         )

@@ -1,8 +1,9 @@
 """The training loop every recipe shares; a recipe supplies its model, its data and its loss.
 
-    job = Job(name="pretrain_clm", model=model, optimizer=optimizer, scheduler=scheduler,
-              dataset=dataset, loader=loader, held_out=held_out, loss=lm_loss, evaluate=lm_eval, ...)
-    train(accelerator, args, config, job)
+    data = open_data(data_args, args)                      # the prepared shards, split for eval
+    accelerator = start(args)                              # the launcher's Accelerator, seeded
+    model = ...                                            # the recipe's own
+    train(accelerator, args, data_args, config, Job("pretrain_clm", model, data, loss=lm_loss, evaluate=lm_eval, ...))
 
 `train` runs the preflight, resumes the newest checkpoint that verifies and the same MLflow run,
 then loops: accumulation, clipping, one all-reduce per step (the save schedule, preemption and a
@@ -43,17 +44,22 @@ Batch = torch.Tensor | dict[str, torch.Tensor]
 
 
 @dataclass
+class Data:
+    """A recipe's data: the shards, the part trained on, the held-out part (may be empty), and who hashes the shards."""
+
+    dataset: PackedDataset
+    train: torch.utils.data.Dataset
+    held_out: torch.utils.data.Dataset
+    preflight_hashes: bool  # the preflight sha256es them (else they were checked when opened, if asked)
+
+
+@dataclass
 class Job:
-    """What a recipe hands to `train`: its prepared objects and the few things only it knows."""
+    """What a recipe hands to `train`: its model and data, and the few things only it knows."""
 
     name: str  # the recipe: MLflow experiment (unless set), tags, model card
-    model: torch.nn.Module  # prepared, with optimizer and scheduler
-    optimizer: Any
-    scheduler: Any
-    dataset: PackedDataset  # for the preflight's data check
-    loader: ResumableLoader
-    cursor: DataCursor  # the loader's
-    held_out: torch.utils.data.Dataset  # may be empty: no eval
+    model: torch.nn.Module  # not prepared yet: train() builds the optimizer, schedule and loader, then prepares
+    data: Data
     loss: Callable[[torch.nn.Module, Batch], torch.Tensor]  # the training loss of one micro-batch
     processor: Any  # tokenizer or image processor, exported next to the weights
     task: str  # MLflow transformers task of the export: text-generation, text-classification, image-classification
@@ -65,20 +71,24 @@ class Job:
 
 def open_data(
     data_args: DataArguments, args: TrainingArguments, fields: tuple[str, ...] = ("input_ids",), made_by: str = "make data"
-) -> tuple[PackedDataset, Any, Any, bool]:
-    """(dataset, train, held_out, preflight_hashes): sizes checked now; sha256 now only if no preflight will hash the shards.
+) -> Data:
+    """The shards, split: sizes checked now; sha256 now only if no preflight will hash them.
 
     The data must hold exactly `fields` (the recipe's inputs), as `made_by` prepares them.
     """
     preflight_hashes = (args.preflight or args.preflight_only) and (data_args.verify_data_checksums or args.preflight_only)
     try:
-        dataset = PackedDataset(data_args.data_dir, verify_checksums=data_args.verify_data_checksums and not preflight_hashes)
+        dataset = PackedDataset(
+            data_args.data_dir,
+            verify_checksums=data_args.verify_data_checksums and not preflight_hashes,
+            hash_fetches=data_args.verify_data_checksums,  # remote data: every rank hashes what it fetches later
+        )
         train_set, held_out = dataset.split(data_args.eval_samples)
     except ValueError as err:
         raise SystemExit(f"data error: {err}") from None
     if tuple(dataset.fields) != fields:
         raise SystemExit(f"data error: {data_args.data_dir} holds {dataset.fields}, this recipe reads {list(fields)} ({made_by})")
-    return dataset, train_set, held_out, preflight_hashes
+    return Data(dataset, train_set, held_out, preflight_hashes)
 
 
 def start(args: TrainingArguments) -> Accelerator:
@@ -143,10 +153,6 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
     return batch.to(device, non_blocking=True)
 
 
-def batch_size_of(batch: Batch) -> int:
-    return len(next(iter(batch.values())) if isinstance(batch, dict) else batch)
-
-
 @contextlib.contextmanager
 def exit_on(error: type[Exception], prefix: str):
     """Turn `error` into a one-line exit: `with exit_on(CheckpointError, "checkpoint error"): ...`."""
@@ -156,9 +162,13 @@ def exit_on(error: type[Exception], prefix: str):
         raise SystemExit(f"{prefix}: {err}") from None
 
 
-def train(accelerator: Accelerator, args: TrainingArguments, config: dict, job: Job, data_checksums: bool = False) -> None:
-    """Preflight, resume, train to max_steps (or a preemption), save, export. Called on every rank."""
-    model, optimizer, scheduler, loader, cursor, held_out = job.model, job.optimizer, job.scheduler, job.loader, job.cursor, job.held_out
+def train(accelerator: Accelerator, args: TrainingArguments, data_args: DataArguments, config: dict, job: Job) -> None:
+    """Prepare, preflight, resume, train to max_steps (or a preemption), save, export. Called on every rank."""
+    held_out = job.data.held_out
+    optimizer = build_optimizer(job.model, args)
+    loader, cursor = make_loader(accelerator, job.data.train, held_out, data_args, args)
+    model, optimizer = accelerator.prepare(job.model, optimizer)
+    scheduler = accelerator.prepare_scheduler(build_scheduler(optimizer, args))
 
     # Preflight: devices, a collective, data, a checkpoint round trip, disk, MLflow; nothing trains if one fails
     save_seconds = 0.0
@@ -166,11 +176,11 @@ def train(accelerator: Accelerator, args: TrainingArguments, config: dict, job: 
         save_seconds = run_preflight(
             accelerator,
             model,
-            job.dataset,
+            job.data.dataset,
             args.output_dir,
             kept_checkpoints(args),
             tracking_uri() if args.report_to == "mlflow" else None,
-            data_checksums=data_checksums,
+            data_checksums=job.data.preflight_hashes,
         )
         if args.preflight_only:
             return

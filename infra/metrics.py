@@ -76,8 +76,25 @@ def classification_scores(confusion) -> dict[str, float]:
     true_positive = confusion.diagonal()
     predicted, actual = confusion.sum(0), confusion.sum(1)
     f1 = 2 * true_positive / (predicted + actual).clamp(min=1)
-    present = actual > 0  # classes absent from the held-out set do not count toward the macro average
+    present = (actual + predicted) > 0  # classes neither present nor predicted do not count (as in scikit-learn)
     return {
         "eval/accuracy": float(true_positive.sum() / confusion.sum().clamp(min=1)),
         "eval/f1": float(f1[present].mean()) if present.any() else 0.0,
     }
+
+
+def evaluate_classifier(accelerator, outputs, num_labels: int) -> dict[str, float]:
+    """Loss (weighted by samples), accuracy and macro F1 over held-out batches, all ranks together.
+
+    `outputs` yields (model output with .loss and .logits, labels) for each of this rank's batches.
+    """
+    import torch
+
+    confusion = torch.zeros(num_labels, num_labels, device=accelerator.device)
+    loss = torch.zeros(2, device=accelerator.device)  # sum of per-batch mean losses x samples, samples
+    for out, labels in outputs:
+        ones = torch.ones(len(labels), device=accelerator.device)
+        loss += torch.stack([out.loss.float() * len(labels), ones.sum()])
+        confusion.index_put_((labels, out.logits.argmax(-1)), ones, accumulate=True)
+    loss_sum, samples = accelerator.reduce(loss, "sum").tolist()
+    return {"eval/loss": loss_sum / samples, **classification_scores(accelerator.reduce(confusion, "sum"))}

@@ -23,8 +23,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from infra.config import DataArguments, TrainingArguments, check_data_and_training, parse_config, resolved
 from infra.data.tasks import minilm_dir
-from infra.loop import Job, build_optimizer, build_scheduler, exit_on, make_loader, model_source, open_data, start, train
-from infra.metrics import classification_scores
+from infra.loop import Job, exit_on, model_source, open_data, start, train
+from infra.metrics import evaluate_classifier
 from infra.tracking import run_status
 
 
@@ -47,16 +47,8 @@ def text_loss(model, batch: dict[str, torch.Tensor], pad_id: int) -> torch.Tenso
 
 def text_eval(accelerator, model, batches, pad_id: int) -> dict[str, float]:
     """Loss, accuracy and macro F1 over the held-out texts, all ranks together."""
-    num_labels = accelerator.unwrap_model(model).config.num_labels
-    confusion = torch.zeros(num_labels, num_labels, device=accelerator.device)
-    loss = torch.zeros(2, device=accelerator.device)
-    for batch in batches:
-        out = forward(model, batch, pad_id)
-        ones = torch.ones(len(batch["labels"]), device=accelerator.device)
-        loss += torch.stack([out.loss.float() * ones.sum(), ones.sum()])
-        confusion.index_put_((batch["labels"], out.logits.argmax(-1)), ones, accumulate=True)
-    loss_sum, samples = accelerator.reduce(loss, "sum").tolist()
-    return {"eval/loss": loss_sum / samples, **classification_scores(accelerator.reduce(confusion, "sum"))}
+    outputs = ((forward(model, b, pad_id), b["labels"]) for b in batches)
+    return evaluate_classifier(accelerator, outputs, accelerator.unwrap_model(model).config.num_labels)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -64,11 +56,9 @@ def main(argv: list[str] | None = None) -> None:
         (ModelArguments, DataArguments, TrainingArguments), argv, check=lambda m, d, a: check_data_and_training(d, a)
     )
     config = resolved(model_args, data_args, args)
-    dataset, train_set, held_out, preflight_hashes = open_data(
-        data_args, args, ("input_ids", "labels"), "python -m infra.data.tasks --task text_classification"
-    )
-    tokenizer = AutoTokenizer.from_pretrained(dataset.tokenizer_dir)
-    labels = dataset.index.labels
+    data = open_data(data_args, args, ("input_ids", "labels"), "python -m infra.data.tasks --task text_classification")
+    tokenizer = AutoTokenizer.from_pretrained(data.dataset.tokenizer_dir)
+    labels = data.dataset.index.labels
     accelerator = start(args)
 
     source = model_source(model_args.model_name_or_path or minilm_dir(), "pass a path or hub id of an encoder")
@@ -81,33 +71,24 @@ def main(argv: list[str] | None = None) -> None:
             label2id={name: i for i, name in enumerate(labels)},
             **extra,
         )
-    if model.config.vocab_size < dataset.index.vocab_size or model.config.pad_token_id != tokenizer.pad_token_id:
+    if model.config.vocab_size < data.dataset.index.vocab_size or model.config.pad_token_id != tokenizer.pad_token_id:
         raise SystemExit(
-            f"data error: {data_args.data_dir} was tokenized with {dataset.index.tokenizer!r} (vocab {dataset.index.vocab_size}, "
+            f"data error: {data_args.data_dir} was tokenized with {data.dataset.index.tokenizer!r} (vocab {data.dataset.index.vocab_size}, "
             f"pad {tokenizer.pad_token_id}), which does not fit {source!r}: prepare it with that model's tokenizer"
         )
-    optimizer = build_optimizer(model, args)
-    loader, cursor = make_loader(accelerator, train_set, held_out, data_args, args)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    scheduler = accelerator.prepare_scheduler(build_scheduler(optimizer, args))
 
     job = Job(
         name="finetune_classification",
         model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        dataset=dataset,
-        loader=loader,
-        cursor=cursor,
-        held_out=held_out,
+        data=data,
         loss=partial(text_loss, pad_id=tokenizer.pad_token_id),
         evaluate=partial(text_eval, pad_id=tokenizer.pad_token_id),
         processor=tokenizer,
         task="text-classification",
         unit="tokens",
-        units_per_sample=dataset.seq_len,
+        units_per_sample=data.dataset.seq_len,
     )
-    train(accelerator, args, config, job, data_checksums=preflight_hashes)
+    train(accelerator, args, data_args, config, job)
 
 
 if __name__ == "__main__":

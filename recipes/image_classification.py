@@ -22,8 +22,8 @@ import torch
 from transformers import AutoConfig, AutoModelForImageClassification, ViTImageProcessor
 
 from infra.config import DataArguments, TrainingArguments, check_data_and_training, parse_config, require, resolved
-from infra.loop import Job, build_optimizer, build_scheduler, exit_on, make_loader, model_source, open_data, start, train
-from infra.metrics import classification_scores
+from infra.loop import Job, exit_on, model_source, open_data, start, train
+from infra.metrics import evaluate_classifier
 from infra.tracking import run_status
 
 
@@ -84,26 +84,20 @@ def processor_for(image_size: int, num_channels: int) -> ViTImageProcessor:
     )
 
 
-def pixels(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return (batch["pixel_values"].float() / 255 - 0.5) / 0.5  # uint8 on disk and on the wire
+def pixels(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """uint8 on disk and on the wire; normalised here, in the weights' dtype (DeepSpeed's bf16 engine casts no float inputs)."""
+    dtype = next(model.parameters()).dtype
+    return ((batch["pixel_values"].float() / 255 - 0.5) / 0.5).to(dtype)
 
 
 def image_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return model(pixel_values=pixels(batch), labels=batch["labels"]).loss
+    return model(pixel_values=pixels(model, batch), labels=batch["labels"]).loss
 
 
 def image_eval(accelerator, model, batches) -> dict[str, float]:
     """Loss, accuracy and macro F1 over the held-out images, all ranks together."""
-    num_labels = accelerator.unwrap_model(model).config.num_labels
-    confusion = torch.zeros(num_labels, num_labels, device=accelerator.device)
-    loss = torch.zeros(2, device=accelerator.device)
-    for batch in batches:
-        out = model(pixel_values=pixels(batch), labels=batch["labels"])
-        ones = torch.ones(len(batch["labels"]), device=accelerator.device)
-        loss += torch.stack([out.loss.float() * ones.sum(), ones.sum()])
-        confusion.index_put_((batch["labels"], out.logits.argmax(-1)), ones, accumulate=True)
-    loss_sum, samples = accelerator.reduce(loss, "sum").tolist()
-    return {"eval/loss": loss_sum / samples, **classification_scores(accelerator.reduce(confusion, "sum"))}
+    outputs = ((model(pixel_values=pixels(model, b), labels=b["labels"]), b["labels"]) for b in batches)
+    return evaluate_classifier(accelerator, outputs, accelerator.unwrap_model(model).config.num_labels)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -111,34 +105,23 @@ def main(argv: list[str] | None = None) -> None:
         (ModelArguments, DataArguments, TrainingArguments), argv, check=lambda m, d, a: check_data_and_training(d, a)
     )
     config = resolved(model_args, data_args, args)
-    dataset, train_set, held_out, preflight_hashes = open_data(
-        data_args, args, ("pixel_values", "labels"), "python -m infra.data.tasks --task image_classification"
-    )
-    num_channels, image_size, _ = dataset.index.sample_shape
+    data = open_data(data_args, args, ("pixel_values", "labels"), "python -m infra.data.tasks --task image_classification")
+    num_channels, image_size, _ = data.dataset.index.sample_shape
     accelerator = start(args)
 
-    model = build_model(model_args, image_size, num_channels, dataset.index.labels)
-    optimizer = build_optimizer(model, args)
-    loader, cursor = make_loader(accelerator, train_set, held_out, data_args, args)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    scheduler = accelerator.prepare_scheduler(build_scheduler(optimizer, args))
+    model = build_model(model_args, image_size, num_channels, data.dataset.index.labels)
 
     job = Job(
         name="image_classification",
         model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        dataset=dataset,
-        loader=loader,
-        cursor=cursor,
-        held_out=held_out,
+        data=data,
         loss=image_loss,
         evaluate=image_eval,
         processor=processor_for(image_size, num_channels),
         task="image-classification",
         unit="images",
     )
-    train(accelerator, args, config, job, data_checksums=preflight_hashes)
+    train(accelerator, args, data_args, config, job)
 
 
 if __name__ == "__main__":

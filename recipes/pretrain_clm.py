@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from infra.config import DataArguments, TrainingArguments, check_data_and_training, parse_config, require, resolved
 from infra.data import check_fits_model
-from infra.loop import Job, build_optimizer, build_scheduler, make_loader, open_data, start, train
+from infra.loop import Job, open_data, start, train
 from infra.metrics import flops_per_token
 from infra.tracking import run_status
 
@@ -91,40 +91,31 @@ def main(argv: list[str] | None = None) -> None:
         (ModelArguments, DataArguments, TrainingArguments), argv, check=lambda m, d, a: check_data_and_training(d, a)
     )
     config = resolved(model_args, data_args, args)
-    dataset, train_set, held_out, preflight_hashes = open_data(data_args, args)
-    tokenizer = AutoTokenizer.from_pretrained(dataset.tokenizer_dir)
+    data = open_data(data_args, args)
+    tokenizer = AutoTokenizer.from_pretrained(data.dataset.tokenizer_dir)
     accelerator = start(args)
 
-    model = build_model(model_args, tokenizer, dataset.seq_len)
+    model = build_model(model_args, tokenizer, data.dataset.seq_len)
     try:
-        check_fits_model(dataset.index, tokenizer.eos_token_id, model.config)
+        check_fits_model(data.dataset.index, tokenizer.eos_token_id, model.config)
     except ValueError as err:
         raise SystemExit(f"data error: {err}") from None
-    optimizer = build_optimizer(model, args)
     mc = model.config  # counted before ZeRO-3 partitions the parameters
-    flops = flops_per_token(sum(p.numel() for p in model.parameters()), mc.num_hidden_layers, mc.hidden_size, dataset.seq_len)
-    loader, cursor = make_loader(accelerator, train_set, held_out, data_args, args)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    scheduler = accelerator.prepare_scheduler(build_scheduler(optimizer, args))
+    flops = flops_per_token(sum(p.numel() for p in model.parameters()), mc.num_hidden_layers, mc.hidden_size, data.dataset.seq_len)
 
     job = Job(
         name="pretrain_clm",
         model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        dataset=dataset,
-        loader=loader,
-        cursor=cursor,
-        held_out=held_out,
+        data=data,
         loss=lm_loss,
         evaluate=lm_eval,
         processor=tokenizer,
         task="text-generation",
         unit="tokens",
-        units_per_sample=dataset.seq_len,
+        units_per_sample=data.dataset.seq_len,
         flops_per_unit=flops,
     )
-    train(accelerator, args, config, job, data_checksums=preflight_hashes)
+    train(accelerator, args, data_args, config, job)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from infra.config import DataArguments, TrainingArguments, check_data_and_training, parse_config, resolved
 from infra.data import check_fits_model
-from infra.loop import Job, build_optimizer, build_scheduler, exit_on, make_loader, model_source, open_data, start, train
+from infra.loop import Job, exit_on, model_source, open_data, start, train
 from infra.metrics import flops_per_token
 from infra.tracking import run_status
 
@@ -55,43 +55,32 @@ def main(argv: list[str] | None = None) -> None:
     )
     config = resolved(model_args, data_args, args)
     source = model_source(model_args.model_name_or_path, "run `make train` first (it exports runs/pretrain_tiny/final)")
-    dataset, train_set, held_out, preflight_hashes = open_data(
-        data_args, args, ("input_ids", "labels"), "python -m infra.data.tasks --task sft"
-    )
-    tokenizer = AutoTokenizer.from_pretrained(dataset.tokenizer_dir)  # the model's, with the chat template the data was made with
+    data = open_data(data_args, args, ("input_ids", "labels"), "python -m infra.data.tasks --task sft")
+    tokenizer = AutoTokenizer.from_pretrained(data.dataset.tokenizer_dir)  # the model's, with the chat template the data was made with
     accelerator = start(args)
 
     with exit_on(OSError, "model error"):
         model = AutoModelForCausalLM.from_pretrained(source)
     try:
-        check_fits_model(dataset.index, tokenizer.eos_token_id, model.config)
+        check_fits_model(data.dataset.index, tokenizer.eos_token_id, model.config)
     except ValueError as err:
         raise SystemExit(f"data error: {err}") from None
-    optimizer = build_optimizer(model, args)
     mc = model.config
-    flops = flops_per_token(sum(p.numel() for p in model.parameters()), mc.num_hidden_layers, mc.hidden_size, dataset.seq_len)
-    loader, cursor = make_loader(accelerator, train_set, held_out, data_args, args)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    scheduler = accelerator.prepare_scheduler(build_scheduler(optimizer, args))
+    flops = flops_per_token(sum(p.numel() for p in model.parameters()), mc.num_hidden_layers, mc.hidden_size, data.dataset.seq_len)
 
     job = Job(
         name="sft_clm",
         model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        dataset=dataset,
-        loader=loader,
-        cursor=cursor,
-        held_out=held_out,
+        data=data,
         loss=sft_loss,
         evaluate=sft_eval,
         processor=tokenizer,
         task="text-generation",
         unit="tokens",  # padded sample length: the tokens the model processes, response or not
-        units_per_sample=dataset.seq_len,
+        units_per_sample=data.dataset.seq_len,
         flops_per_unit=flops,
     )
-    train(accelerator, args, config, job, data_checksums=preflight_hashes)
+    train(accelerator, args, data_args, config, job)
 
 
 if __name__ == "__main__":

@@ -396,10 +396,13 @@ def test_shards_on_object_storage_read_through_a_checked_cache(s3, small_data, t
     (cache / name).unlink(missing_ok=True)
     with pytest.raises(DataError, match=f"s3://{bucket}/small/{name} does not match the sha256"):
         PackedDataset(url, verify_checksums=True)
-    fs.pipe(f"{bucket}/small/{name}", bytes(raw[:200]))  # cut short: caught on the way in, without checksums
-    with pytest.raises(DataError, match=f"s3://{bucket}/small/{name} is truncated"):
+    fs.pipe(f"{bucket}/small/{name}", bytes(len(raw)))  # the right size, but not an .npy file: caught on the way in
+    with pytest.raises(DataError, match=f"s3://{bucket}/small/{name} is not a readable .npy file"):
         PackedDataset(url).__getitems__([32])
-    assert not list(cache.glob("*.tmp"))  # nothing half-fetched left behind
+    assert not list(cache.glob("*.tmp")) and not (cache / name).exists()  # nothing half-fetched or refused left behind
+    fs.pipe(f"{bucket}/small/{name}", bytes(raw[:200]))  # cut short: the listing shows it when the data is opened
+    with pytest.raises(DataError, match=f"s3://{bucket}/small/{name} is truncated: 200 bytes"):
+        PackedDataset(url)
     fs.rm(f"{bucket}/small/{name}")
     with pytest.raises(DataError, match=f"s3://{bucket}/small/{name} is listed in index.json but missing"):
         PackedDataset(url)

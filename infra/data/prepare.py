@@ -40,7 +40,7 @@ from tqdm import tqdm
 from infra.config import ConfigError, parse_config, require
 from infra.data.shards import TOKENIZER_DIR, DataIndex, save_npy, token_dtype, write_shard
 from infra.data.sources import STDLIB, iter_texts
-from infra.files import atomic_write_text, fsync_dir
+from infra.files import atomic_write_text
 
 EOS = "<|endoftext|>"
 ARGS_FILE = "prepare_args.json"
@@ -264,10 +264,7 @@ def prepare(args: PrepareArguments) -> DataIndex:
 
     shutil.rmtree(work / TOKENS_DIR)
     (work / ARGS_FILE).unlink()
-    index.save(work)
-    shutil.rmtree(out, ignore_errors=True)  # a folder without index.json is an unfinished leftover
-    work.rename(out)
-    fsync_dir(out.parent)
+    index.publish(work, out)
     print(f"wrote {index.num_samples} samples x {index.seq_len} tokens in {len(index.shards)} shards to {out}")
     return index
 

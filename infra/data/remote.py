@@ -5,8 +5,9 @@
 
 Opening the data fetches `index.json` (always: it says what the data is now) and the tokenizer; a
 shard file is fetched the first time a sample of it is read, by whichever process reads it
-(DataLoader workers included), then memory-mapped like a local shard. So a run reads from
-storage only the shards its order reaches, each once per node, and a restart reads none again.
+(DataLoader workers included; one process per node downloads it, the others wait on a lock file),
+then memory-mapped like a local shard. So a run reads from storage only the shards its order
+reaches, each once per node, and a restart reads none again.
 
 The cache folder is named by the URL and the index's own hash: data rewritten under the same URL
 gets a new folder, never a mix of old and new files. A file is downloaded under a temporary name,
@@ -17,6 +18,7 @@ leave a partial file where a whole one is expected.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 from pathlib import Path
@@ -85,18 +87,24 @@ class RemoteDir:
         return {path[len(root) + 1 :]: info["size"] for path, info in self.fs.find(self.url, detail=True).items()}
 
     def fetch(self, rel: str, check) -> Path:
-        """The local copy of `rel`, downloaded and passed through `check(path)` (raises DataError) if not cached yet."""
+        """The local copy of `rel`, downloaded and passed through `check(path)` (raises DataError) if not cached yet.
+
+        One process per node downloads a file (a lock file beside it); the others wait and find it cached.
+        """
         target = self.cache / rel
         if target.is_file():
             return target
-        tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-        self.fs.get_file(self._remote(rel), str(tmp))
-        try:
-            check(tmp)
-        except Exception:
-            tmp.unlink(missing_ok=True)
-            raise
-        os.replace(tmp, target)
+        with open(target.with_name(f".{target.name}.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if target.is_file():  # another process fetched it while this one waited
+                return target
+            tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+            try:
+                self.fs.get_file(self._remote(rel), str(tmp))
+                check(tmp)
+                os.replace(tmp, target)
+            finally:
+                tmp.unlink(missing_ok=True)
         return target
 
 

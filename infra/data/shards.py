@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 from infra.data.remote import RemoteDir, is_remote
-from infra.files import atomic_write_text, sha256_file
+from infra.files import atomic_write_text, fsync_dir, sha256_file
 
 FORMAT_VERSION = 2  # 2 added fields besides the primary one; version 1 still reads
 INDEX_FILE = "index.json"
@@ -79,11 +80,18 @@ class DataIndex:
     def save(self, data_dir: Path) -> None:
         atomic_write_text(data_dir / INDEX_FILE, json.dumps(asdict(self), indent=2))
 
+    def publish(self, work: Path, out: Path) -> None:
+        """Write this index last into the finished folder `work`, then rename it to `out` (replacing a leftover)."""
+        self.save(work)
+        shutil.rmtree(out, ignore_errors=True)  # a folder without index.json is an unfinished leftover
+        work.rename(out)
+        fsync_dir(out.parent)
+
     @classmethod
     def load(cls, data_dir: Path) -> DataIndex:
         path = Path(data_dir) / INDEX_FILE
         if not path.is_file():
-            raise DataError(f"{path} does not exist: prepare the data first (make data, or python -m infra.data.prepare)")
+            raise DataError(f"{path} does not exist: prepare the data first (make data, python -m infra.data.prepare or infra.data.tasks)")
         raw = json.loads(path.read_text())
         if raw.get("format_version") not in (1, FORMAT_VERSION):
             raise DataError(f"{path}: format_version {raw.get('format_version')!r} is not one of the supported 1, {FORMAT_VERSION}")
@@ -145,6 +153,16 @@ def file_checks(data_dir: Path, index: DataIndex, checksums: bool, where: str | 
     return out
 
 
+def file_sizes(index: DataIndex) -> list[tuple[Path, int]]:
+    """(file name, bytes its samples take, headers aside) for every file the index lists."""
+    layout = index.layout()
+    return [
+        (Path(file), shard.num_samples * int(np.prod(layout[name][1])) * layout[name][0].itemsize)
+        for shard in index.shards
+        for name, (file, _) in shard.files(index.primary).items()
+    ]
+
+
 def _check_file(path: Path, label: str, dtype: np.dtype, shape: tuple[int, ...], digest: str | None) -> None:
     try:
         stored, start = _npy_header(path)
@@ -196,14 +214,15 @@ class PackedDataset(torch.utils.data.Dataset):
 
     max_open_shards = 512
 
-    def __init__(self, data_dir: str | os.PathLike, verify_checksums: bool = False):
+    def __init__(self, data_dir: str | os.PathLike, verify_checksums: bool = False, hash_fetches: bool = False):
         self.source = str(data_dir)  # a folder, or an fsspec URL read through a local cache (infra.data.remote)
         self.remote = RemoteDir(self.source) if is_remote(self.source) else None
         self.data_dir = self.remote.open() if self.remote else Path(data_dir)
         self.index = DataIndex.load(self.data_dir)
         self.check(checksums=verify_checksums)
+        # what a shard fetched later must pass (remote data): its header and size, and its sha256 if asked for
         where = self.remote.url if self.remote else None
-        self._checks = {path.name: check for path, check in file_checks(self.data_dir, self.index, False, where)}
+        self._checks = {path.name: check for path, check in file_checks(self.data_dir, self.index, hash_fetches, where)}
         self._starts = np.cumsum([0] + self.shard_sizes)
         self._maps: dict[tuple[int, str], np.ndarray] = {}
         self._layout = self.index.layout()
@@ -218,14 +237,18 @@ class PackedDataset(torch.utils.data.Dataset):
         if self.remote is None:
             return verify(self.data_dir, self.index, checksums)
         listed = self.remote.sizes()
+        payload = {path.name: size for path, size in file_sizes(self.index)}
         for path, check in file_checks(self.data_dir, self.index, checksums, self.remote.url):
+            url = f"{self.remote.url}/{path.name}"
             if path.name not in listed:
-                raise DataError(f"{self.remote.url}/{path.name} is listed in {INDEX_FILE} but missing")
+                raise DataError(f"{url} is listed in {INDEX_FILE} but missing")
+            if listed[path.name] < payload[path.name]:
+                raise DataError(f"{url} is truncated: {listed[path.name]} bytes, its samples alone take {payload[path.name]}")
             if checksums and path.is_file():  # the cached copy is what the run reads: hash it, fetch again if it is bad
                 try:
                     check(path)
-                except DataError:
-                    path.unlink()
+                except (DataError, FileNotFoundError):  # FileNotFoundError: another rank removed it first
+                    path.unlink(missing_ok=True)
             if checksums:
                 self.remote.fetch(path.name, check)  # checked whole on the way in
         if self.index.num_samples == 0:

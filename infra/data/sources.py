@@ -57,19 +57,20 @@ def _documents(source: str, text_column: str, split: str) -> Iterator[str]:
         yield row[text_column]
 
 
-def iter_rows(source: str, split: str = "train") -> Iterator[dict]:
-    """Rows of local json/jsonl/parquet/csv files, of a folder of images (one subfolder per label), or of a hub dataset."""
+def iter_rows(source: str, split: str = "train"):
+    """Rows of local json/jsonl/parquet/csv files, of a folder of images (one subfolder per label), or of a hub dataset:
+    a streaming `datasets.IterableDataset` (its `.features` name the classes of a ClassLabel column)."""
     import datasets
 
     files = local_files(source)
     if Path(source).is_dir() and not files:  # no table files in it: a folder of images
-        return iter(datasets.load_dataset("imagefolder", data_dir=source, split="train", streaming=True))
+        return datasets.load_dataset("imagefolder", data_dir=source, split="train", streaming=True)
     if files:
         suffixes = {Path(f).suffix for f in files}
         if len(suffixes) != 1 or next(iter(suffixes)) not in _BUILDERS:
             raise ValueError(f"source={source!r} mixes or names unsupported file types {sorted(suffixes)}: use one of {sorted(_BUILDERS)}")
-        return iter(datasets.load_dataset(_BUILDERS[suffixes.pop()], data_files=files, split="train", streaming=True))
-    return iter(datasets.load_dataset(source, split=split, streaming=True))  # a dataset on the hub (or a local script)
+        return datasets.load_dataset(_BUILDERS[suffixes.pop()], data_files=files, split="train", streaming=True)
+    return datasets.load_dataset(source, split=split, streaming=True)  # a dataset on the hub (or a local script)
 
 
 def stdlib_functions() -> Iterator[tuple[str, ast.FunctionDef, str]]:

@@ -45,7 +45,6 @@ from tqdm import tqdm
 from infra.config import ConfigError, parse_config, require
 from infra.data.shards import TOKENIZER_DIR, DataIndex, token_dtype, write_shard
 from infra.data.sources import STDLIB, iter_rows, stdlib_functions
-from infra.files import fsync_dir
 
 DIGITS = "digits"
 DEFAULT_OUTPUT = {"sft": "data/sft_stdlib", "text_classification": "data/cls_stdlib", "image_classification": "data/digits"}
@@ -134,23 +133,28 @@ def digits() -> tuple[list[tuple[np.ndarray, int]], list[str]]:
 
 
 def labelled_rows(args: TaskArguments, column: str) -> tuple[list[tuple[object, int]], list[str]]:
-    """(value of `column`, label id) from a table, folder or hub source; label names sorted, or the integers as given."""
-    rows = [(row[column], row[args.label_column]) for row in _checked_rows(args, (column, args.label_column))]
+    """(value of `column`, label id) from a table, folder or hub source; class names from the data's ClassLabel
+    feature (an image folder's subfolders), else the names sorted, else the integers as given."""
+    stream = iter_rows(args.source, args.split)
+    feature = (getattr(stream, "features", None) or {}).get(args.label_column)
+    rows = [(row[column], row[args.label_column]) for row in _checked_rows(stream, args, (column, args.label_column))]
     raw = [label for _, label in rows]
+    if any(isinstance(x, int) and x < 0 for x in raw):
+        raise ValueError(f"{args.source!r} has rows labelled {min(raw)} (unlabelled): use a labelled split")
     if all(isinstance(x, int) for x in raw):
-        return [(value, int(label)) for value, label in rows], [str(i) for i in range(max(raw) + 1)]
+        names = list(feature.names) if hasattr(feature, "names") else [str(i) for i in range(max(raw) + 1)]
+        return [(value, int(label)) for value, label in rows], names
     names = sorted({str(x) for x in raw})
     ids = {name: i for i, name in enumerate(names)}
     return [(value, ids[str(label)]) for value, label in rows], names
 
 
-def _checked_rows(args: TaskArguments, columns: tuple[str, ...]) -> Iterator[dict]:
-    for row in iter_rows(args.source, args.split):
+def _checked_rows(stream, args: TaskArguments, columns: tuple[str, ...]) -> Iterator[dict]:
+    for row in stream:
         missing = [c for c in columns if c not in row]
         if missing:
-            raise ValueError(
-                f"{missing[0]!r} is not a column of {args.source!r}: it has {sorted(row)} (set --{_flag_for(args, missing[0])})"
-            )
+            flag = _flag_for(args, missing[0])
+            raise ValueError(f"{missing[0]!r} is not a column of {args.source!r}: it has {sorted(row)} (set --{flag})")
         yield row
 
 
@@ -170,7 +174,7 @@ def sft_fields(tokenizer, prompt: str, response: str, seq_len: int) -> dict[str,
         raise ValueError("the chat template renders the prompt differently with and without the response: the response cannot be masked")
     prompt_ids = tokenizer(asked, add_special_tokens=False)["input_ids"]
     response_ids = tokenizer(whole[len(asked) :], add_special_tokens=False)["input_ids"]
-    if len(prompt_ids) >= seq_len:
+    if len(prompt_ids) >= seq_len or not response_ids:  # nothing to learn from: every label would be -100
         return None
     ids = (prompt_ids + response_ids)[:seq_len]
     labels = [IGNORE_INDEX] * len(prompt_ids) + ids[len(prompt_ids) :]
@@ -232,9 +236,8 @@ def prepare_task(args: TaskArguments) -> DataIndex:
         examples, class_names = stdlib_docstrings(args.num_classes) if args.source == STDLIB else labelled_rows(args, args.text_column)
     else:
         columns = (args.prompt_column, args.response_column)
-        examples = (
-            list(stdlib_instructions()) if args.source == STDLIB else [(r[columns[0]], r[columns[1]]) for r in _checked_rows(args, columns)]
-        )
+        rows = [] if args.source == STDLIB else _checked_rows(iter_rows(args.source, args.split), args, columns)
+        examples = list(stdlib_instructions()) if args.source == STDLIB else [(r[columns[0]], r[columns[1]]) for r in rows]
     if args.task != "image_classification":
         tokenizer, made_from = load_tokenizer(args)
         tokenizer.save_pretrained(work / TOKENIZER_DIR)
@@ -274,7 +277,9 @@ def prepare_task(args: TaskArguments) -> DataIndex:
     flush()
     if not shards:
         shutil.rmtree(work)
-        raise ConfigError(f"source={args.source!r} gave no example that fits seq_len={args.seq_len}")
+        raise ConfigError(
+            f"source={args.source!r} gave no example" + (f" whose prompt fits seq_len={args.seq_len}" if args.task == "sft" else "")
+        )
     index = DataIndex(
         seq_len=0 if image else args.seq_len,
         dtype="uint8" if image else token_dtype(vocab).name,
@@ -287,11 +292,8 @@ def prepare_task(args: TaskArguments) -> DataIndex:
         fields=layout,
         labels=class_names,
     )
-    index.save(work)
-    shutil.rmtree(out, ignore_errors=True)  # a folder without index.json is an unfinished leftover
-    work.rename(out)
-    fsync_dir(out.parent)
-    note = f" ({skipped} skipped: the prompt alone filled seq_len)" if skipped else ""
+    index.publish(work, out)
+    note = f" ({skipped} skipped: the prompt alone filled seq_len, or the response was empty)" if skipped else ""
     classes = f", {len(class_names)} classes" if class_names else ""
     print(f"wrote {index.num_samples} {args.task} samples in {len(shards)} shards{classes} to {out}{note}")
     return index
