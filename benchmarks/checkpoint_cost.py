@@ -35,6 +35,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from infra.checkpoint import CheckpointManager
 from infra.files import fsync_tree
 
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+
 
 def build(accelerator: Accelerator, hidden_size: int):
     config = AutoConfig.for_model(
@@ -98,14 +100,17 @@ def main() -> None:
             manager.wait()
             os.sync()
 
-        def measured(ops):
+        def measured(ops, cold: bool = False):
             out = []
             for op in ops:
                 settle()
+                if cold:  # nothing of the checkpoint in the page cache: a restart on another node, or long after the save
+                    Path(DROP_CACHES).write_text("3\n")
                 out.append(timed(op))
             return out
 
-        save_plain, save_ours, load_plain, load_ours = [], [], [], []
+        can_drop = os.access(DROP_CACHES, os.W_OK)
+        save_plain, save_ours, load_plain, load_ours, cold_plain, cold_ours = [], [], [], [], [], []
         for i in range(args.repeats):
             shutil.rmtree(plain, ignore_errors=True)
             order = 1 - 2 * (i % 2)  # alternate which goes first
@@ -118,6 +123,9 @@ def main() -> None:
             ][::order]
             for times, t in zip((t for t, _ in loads), measured(op for _, op in loads), strict=True):
                 times.append(t)
+            if can_drop:
+                for times, t in zip((cold_plain, cold_ours)[::order], measured((op for _, op in loads), cold=True), strict=True):
+                    times.append(t)
             print(
                 f"repeat {i + 1}/{args.repeats}: save {save_plain[-1]:.2f}s bare, {save_ours[-1]:.2f}s committed; "
                 f"load {load_plain[-1]:.2f}s bare, {load_ours[-1]:.2f}s verified",
@@ -145,6 +153,13 @@ def main() -> None:
     print(f"verified resume + load      : {lo:.2f}s   time ratio {lo / lp:.2f}  (goal <= 1.2)")
     paired_load = sorted(o / p for p, o in zip(load_plain, load_ours, strict=True))
     print(f"                              paired time ratios, repeat by repeat: {paired_load[0]:.2f} to {paired_load[-1]:.2f}")
+    if can_drop:
+        cp, co = statistics.median(cold_plain), statistics.median(cold_ours)
+        paired_cold = sorted(o / p for p, o in zip(cold_plain, cold_ours, strict=True))
+        print(f"  cold page cache: load_state {cp:.2f}s, verified resume {co:.2f}s   time ratio {co / cp:.2f}  (goal <= 1.2)")
+        print(f"                              paired time ratios, repeat by repeat: {paired_cold[0]:.2f} to {paired_cold[-1]:.2f}")
+    else:
+        print(f"  (cold page cache not measured: {DROP_CACHES} is not writable; run as root to measure it)")
 
 
 if __name__ == "__main__":
