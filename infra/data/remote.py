@@ -23,8 +23,6 @@ import hashlib
 import os
 from pathlib import Path
 
-INDEX_FILE = "index.json"
-TOKENIZER_DIR = "tokenizer"
 CACHE_ENV = "INFRA_DATA_CACHE"
 
 
@@ -60,26 +58,30 @@ class RemoteDir:
     def _remote(self, rel: str) -> str:
         return f"{self.url}/{rel}"
 
-    def open(self) -> Path:
-        """Fetch index.json and the tokenizer into this version's cache folder; returns the folder."""
+    def open(self, index_file: str, folders: tuple[str, ...]) -> Path:
+        """Fetch the index and the small `folders` (the tokenizer) into this version's cache folder; returns the folder."""
         try:
-            index = self.fs.cat_file(self._remote(INDEX_FILE))
+            index = self.fs.cat_file(self._remote(index_file))
         except FileNotFoundError:
             from infra.data.shards import DataError
 
-            raise DataError(f"{self._remote(INDEX_FILE)} does not exist: prepare the data and upload the folder first") from None
+            raise DataError(f"{self._remote(index_file)} does not exist: prepare the data and upload the folder first") from None
         self.cache = self.base / hashlib.sha256(index).hexdigest()[:16]
         self.cache.mkdir(parents=True, exist_ok=True)
-        _write_atomically(self.cache / INDEX_FILE, index)
-        tokenizer = self._remote(TOKENIZER_DIR)
-        if self.fs.isdir(tokenizer):
-            for remote in self.fs.find(tokenizer):
-                rel = remote[len(self.fs._strip_protocol(tokenizer)) + 1 :]
-                target = self.cache / TOKENIZER_DIR / rel
+        _write_atomically(self.cache / index_file, index)
+        for folder in folders:
+            self._fetch_folder(folder)
+        return self.cache
+
+    def _fetch_folder(self, folder: str) -> None:
+        remote_folder = self._remote(folder)
+        if self.fs.isdir(remote_folder):
+            for remote in self.fs.find(remote_folder):
+                rel = remote[len(self.fs._strip_protocol(remote_folder)) + 1 :]
+                target = self.cache / folder / rel
                 if not target.is_file():
                     target.parent.mkdir(parents=True, exist_ok=True)
                     _write_atomically(target, self.fs.cat_file(remote))
-        return self.cache
 
     def sizes(self) -> dict[str, int]:
         """Every file under the URL and its size, from one listing."""

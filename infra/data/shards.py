@@ -217,7 +217,7 @@ class PackedDataset(torch.utils.data.Dataset):
     def __init__(self, data_dir: str | os.PathLike, verify_checksums: bool = False, hash_fetches: bool = False):
         self.source = str(data_dir)  # a folder, or an fsspec URL read through a local cache (infra.data.remote)
         self.remote = RemoteDir(self.source) if is_remote(self.source) else None
-        self.data_dir = self.remote.open() if self.remote else Path(data_dir)
+        self.data_dir = self.remote.open(INDEX_FILE, (TOKENIZER_DIR,)) if self.remote else Path(data_dir)
         self.index = DataIndex.load(self.data_dir)
         self.check(checksums=verify_checksums)
         # what a shard fetched later must pass (remote data): its header and size, and its sha256 if asked for
