@@ -142,12 +142,12 @@ def problem(path: Path, checksums: bool = True) -> str | None:
             return f"{rel} is missing"
         if f.stat().st_size != entry["size"]:
             return f"{rel} has {f.stat().st_size} bytes, the manifest says {entry['size']}"
-    return checksum_problem(path) if checksums else None
+    return checksum_problem(path, files=files) if checksums else None
 
 
-def checksum_problem(path: Path, workers: int | None = None) -> str | None:
+def checksum_problem(path: Path, workers: int | None = None, files: dict | None = None) -> str | None:
     """The first file of checkpoint `path` whose digest differs from its manifest's (`workers` files at a time)."""
-    files = read_manifest(path)["files"]
+    files = files if files is not None else read_manifest(path)["files"]
 
     def mismatch(rel: str) -> bool:
         kind = next(k for k in DIGESTS if k in files[rel])
