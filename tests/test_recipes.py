@@ -43,7 +43,7 @@ def test_sft_labels_cover_the_response_and_nothing_else(tiny_data):
     assert tokenizer.decode(ids[kept]) == response + tokenizer.eos_token  # the response and its end, exactly
     first = int(np.argmax(kept))
     assert tokenizer.decode(ids[:first]).endswith("<|assistant|>\n") and prompt in tokenizer.decode(ids[:first])
-    assert not kept[first:][~kept[first:]].size or (ids[first:][~kept[first:]] == tokenizer.pad_token_id).all()  # then padding
+    assert (ids[first:][~kept[first:]] == tokenizer.pad_token_id).all()  # after the response, only padding
     assert sft_fields(tokenizer, prompt * 50, response, 64) is None  # no room for the response: skipped, not trained on
 
 
@@ -221,13 +221,15 @@ def test_recipe_trains_evaluates_and_resumes_exactly(recipe, request, tmp_path):
         assert f"- eval/accuracy: {run.data.metrics['eval/accuracy']:.6g}" in card
     export = a / "out" / "final"
     if recipe == "image_classification":
+        from PIL import Image
         from transformers import AutoImageProcessor, AutoModelForImageClassification
 
-        model, processor = AutoModelForImageClassification.from_pretrained(export), AutoImageProcessor.from_pretrained(export)
-        digit = PackedDataset(request.getfixturevalue(f"{recipe}_inputs")[0]).__getitems__([0])["pixel_values"][0, 0].numpy()
-        from PIL import Image
+        from recipes.image_classification import pixels
 
-        assert processor(Image.fromarray(digit), return_tensors="pt")["pixel_values"].shape == (1, 1, 8, 8)
+        model, processor = AutoModelForImageClassification.from_pretrained(export), AutoImageProcessor.from_pretrained(export)
+        batch = PackedDataset(request.getfixturevalue(f"{recipe}_inputs")[0]).__getitems__([0, 1])
+        exported = processor([Image.fromarray(d[0].numpy()) for d in batch["pixel_values"]], return_tensors="pt")["pixel_values"]
+        assert torch.allclose(exported, pixels(model, batch), atol=1e-6)  # the exported processor does what training did
         assert model.config.id2label[3] == "3"
 
 

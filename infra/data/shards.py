@@ -131,46 +131,38 @@ def verify(data_dir: Path, index: DataIndex, checksums: bool) -> None:
     """Raise DataError naming the first shard that is missing, truncated or (with checksums) altered."""
     if index.num_samples == 0:
         raise DataError(f"{data_dir}: the index lists no samples (was the source empty or shorter than seq_len?)")
-    for path, check in file_checks(data_dir, index, checksums):
+    for path, _, check in file_checks(data_dir, index, checksums):
         if not path.is_file():
             raise DataError(f"{path} is listed in {INDEX_FILE} but missing")
         check(path)
 
 
-def file_checks(data_dir: Path, index: DataIndex, checksums: bool, where: str | None = None) -> list[tuple[Path, Callable[[Path], None]]]:
-    """(path, check) for every file the index lists: check(p) raises DataError unless `p` holds what the index says
-    (errors name the file under `where`, the remote URL say, or under data_dir)."""
+def file_checks(
+    data_dir: Path, index: DataIndex, checksums: bool, where: str | None = None
+) -> list[tuple[Path, int, Callable[[Path], None]]]:
+    """(path, bytes its samples take, check) for every file the index lists: check(p) raises DataError unless `p`
+    holds what the index says (errors name the file under `where`, the remote URL say, or under data_dir)."""
     layout = index.layout()
     out = []
     for shard in index.shards:
         for name, (file, digest) in shard.files(index.primary).items():
             dtype, shape = layout[name]
             shape = (shard.num_samples, *shape)
+            payload = int(np.prod(shape)) * dtype.itemsize
             label = f"{where}/{file}" if where else str(Path(data_dir) / file)
-            out.append(
-                (Path(data_dir) / file, partial(_check_file, label=label, dtype=dtype, shape=shape, digest=digest if checksums else None))
-            )
+            check = partial(_check_file, label=label, dtype=dtype, shape=shape, payload=payload, digest=digest if checksums else None)
+            out.append((Path(data_dir) / file, payload, check))
     return out
 
 
-def file_sizes(index: DataIndex) -> list[tuple[Path, int]]:
-    """(file name, bytes its samples take, headers aside) for every file the index lists."""
-    layout = index.layout()
-    return [
-        (Path(file), shard.num_samples * int(np.prod(layout[name][1])) * layout[name][0].itemsize)
-        for shard in index.shards
-        for name, (file, _) in shard.files(index.primary).items()
-    ]
-
-
-def _check_file(path: Path, label: str, dtype: np.dtype, shape: tuple[int, ...], digest: str | None) -> None:
+def _check_file(path: Path, label: str, dtype: np.dtype, shape: tuple[int, ...], payload: int, digest: str | None) -> None:
     try:
         stored, start = _npy_header(path)
     except ValueError as err:  # not an .npy file at all, or its header is cut
         raise DataError(f"{label} is not a readable .npy file ({err})") from None
     if stored != (dtype, shape):
         raise DataError(f"{label} holds {stored[1]} {stored[0]}, the index says {shape} {dtype}")
-    expected = start + int(np.prod(shape)) * dtype.itemsize
+    expected = start + payload
     if path.stat().st_size < expected:
         raise DataError(f"{label} is truncated: {path.stat().st_size} bytes, expected {expected}")
     if digest is not None and sha256_file(path) != digest:
@@ -221,8 +213,11 @@ class PackedDataset(torch.utils.data.Dataset):
         self.index = DataIndex.load(self.data_dir)
         self.check(checksums=verify_checksums)
         # what a shard fetched later must pass (remote data): its header and size, and its sha256 if asked for
-        where = self.remote.url if self.remote else None
-        self._checks = {path.name: check for path, check in file_checks(self.data_dir, self.index, hash_fetches, where)}
+        self._fetch_checks = (
+            {path.name: check for path, _, check in file_checks(self.data_dir, self.index, hash_fetches, self.remote.url)}
+            if self.remote
+            else {}
+        )
         self._starts = np.cumsum([0] + self.shard_sizes)
         self._maps: dict[tuple[int, str], np.ndarray] = {}
         self._layout = self.index.layout()
@@ -237,13 +232,12 @@ class PackedDataset(torch.utils.data.Dataset):
         if self.remote is None:
             return verify(self.data_dir, self.index, checksums)
         listed = self.remote.sizes()
-        payload = {path.name: size for path, size in file_sizes(self.index)}
-        for path, check in file_checks(self.data_dir, self.index, checksums, self.remote.url):
+        for path, payload, check in file_checks(self.data_dir, self.index, checksums, self.remote.url):
             url = f"{self.remote.url}/{path.name}"
             if path.name not in listed:
                 raise DataError(f"{url} is listed in {INDEX_FILE} but missing")
-            if listed[path.name] < payload[path.name]:
-                raise DataError(f"{url} is truncated: {listed[path.name]} bytes, its samples alone take {payload[path.name]}")
+            if listed[path.name] < payload:
+                raise DataError(f"{url} is truncated: {listed[path.name]} bytes, its samples alone take {payload}")
             if checksums and path.is_file():  # the cached copy is what the run reads: hash it, fetch again if it is bad
                 try:
                     check(path)
@@ -278,7 +272,7 @@ class PackedDataset(torch.utils.data.Dataset):
         rows = self._maps.get((shard, name))
         if rows is None:  # a plain ndarray over the map: np.memmap's indexing costs a few µs more per row
             file = self.index.shards[shard].files(self.index.primary)[name][0]
-            path = self.remote.fetch(file, self._checks[file]) if self.remote else self.data_dir / file
+            path = self.remote.fetch(file, self._fetch_checks[file]) if self.remote else self.data_dir / file
             rows = np.load(path, mmap_mode="r").view(np.ndarray)
             if len(self._maps) >= self.max_open_shards:  # each map holds a file descriptor: close the oldest
                 del self._maps[next(iter(self._maps))]

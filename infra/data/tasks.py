@@ -216,28 +216,36 @@ def load_tokenizer(args: TaskArguments):
     return tokenizer, name
 
 
+def source_of(args: TaskArguments) -> str:
+    return args.source or (DIGITS if args.task == "image_classification" else STDLIB)
+
+
+def task_examples(args: TaskArguments) -> tuple[list[tuple], list[str]]:
+    """The examples of the task's source ((prompt, response) or (value, label id)), and the class names if any."""
+    source = source_of(args)
+    if args.task == "sft":
+        if source == STDLIB:
+            return list(stdlib_instructions()), []
+        columns = (args.prompt_column, args.response_column)
+        return [(row[columns[0]], row[columns[1]]) for row in _checked_rows(iter_rows(source, args.split), args, columns)], []
+    if args.task == "text_classification":
+        return stdlib_docstrings(args.num_classes) if source == STDLIB else labelled_rows(args, args.text_column)
+    return digits() if source == DIGITS else labelled_rows(args, args.image_column)
+
+
 def prepare_task(args: TaskArguments) -> DataIndex:
     out = Path(args.output_dir or DEFAULT_OUTPUT[args.task])
     if (out / "index.json").is_file():
         index = DataIndex.load(out)
         print(f"{out} is already prepared ({index.num_samples} samples); delete it to rebuild")
         return index
-    default_source = DIGITS if args.task == "image_classification" else STDLIB
-    args.source = args.source or default_source
+    examples, class_names = task_examples(args)
     rng = np.random.default_rng(args.seed)
     work = out.with_name(out.name + ".partial")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
 
-    tokenizer, made_from, class_names = None, "none", []
-    if args.task == "image_classification":
-        examples, class_names = digits() if args.source == DIGITS else labelled_rows(args, args.image_column)
-    elif args.task == "text_classification":
-        examples, class_names = stdlib_docstrings(args.num_classes) if args.source == STDLIB else labelled_rows(args, args.text_column)
-    else:
-        columns = (args.prompt_column, args.response_column)
-        rows = [] if args.source == STDLIB else _checked_rows(iter_rows(args.source, args.split), args, columns)
-        examples = list(stdlib_instructions()) if args.source == STDLIB else [(r[columns[0]], r[columns[1]]) for r in rows]
+    tokenizer, made_from = None, "none"
     if args.task != "image_classification":
         tokenizer, made_from = load_tokenizer(args)
         tokenizer.save_pretrained(work / TOKENIZER_DIR)
@@ -278,14 +286,14 @@ def prepare_task(args: TaskArguments) -> DataIndex:
     if not shards:
         shutil.rmtree(work)
         raise ConfigError(
-            f"source={args.source!r} gave no example" + (f" whose prompt fits seq_len={args.seq_len}" if args.task == "sft" else "")
+            f"source={source_of(args)!r} gave no example" + (f" whose prompt fits seq_len={args.seq_len}" if args.task == "sft" else "")
         )
     index = DataIndex(
         seq_len=0 if image else args.seq_len,
         dtype="uint8" if image else token_dtype(vocab).name,
         vocab_size=vocab,
         tokenizer=made_from,
-        source=args.source,
+        source=source_of(args),
         shards=shards,
         primary=primary,
         sample_shape=[args.num_channels, args.image_size, args.image_size] if image else None,
