@@ -44,7 +44,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list
 
 from infra.config import to_json
-from infra.distributed import all_ranks_ok
+from infra.distributed import all_ranks_ok, gathered
 from infra.environment import git_state, package_versions
 from infra.files import atomic_write_text, fsync_dir, fsync_file
 
@@ -108,19 +108,64 @@ def _parallel(fn, items: list, workers: int | None = None):
         return list(pool.map(fn, items))
 
 
-def seal(folder: Path) -> dict[str, dict[str, Any]]:
-    """Checksum and fsync every file below `folder`, then fsync the folders.
+def share(sizes: dict[str, int], parts: int) -> list[list[str]]:
+    """The files of `sizes` dealt into `parts` lists of about equal bytes: largest first, each to the
+    lightest list so far. Deterministic, so every rank computes the same split."""
+    shares: list[list[str]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for rel in sorted(sizes, key=lambda rel: (-sizes[rel], rel)):
+        lightest = min(range(parts), key=lambda i: (load[i], i))
+        shares[lightest].append(rel)
+        load[lightest] += sizes[rel]
+    return shares
+
+
+def files_below(folder: Path) -> dict[str, int]:
+    """Every file below `folder` (relative path -> size)."""
+    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def seal(folder: Path, rels: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Checksum and fsync the files `rels` of `folder` (every file below it by default).
 
     Each file's fsync and checksum are separate tasks on a thread pool, so reading a file back
-    from the page cache overlaps the disk flushing it.
+    from the page cache overlaps the disk flushing it. The folders are fsynced by `fsync_dirs`.
     """
-    paths = sorted(p for p in folder.rglob("*") if p.is_file())
+    rels = list(files_below(folder)) if rels is None else rels
+    paths = [folder / rel for rel in rels]
     tasks = [(fsync_file, p) for p in paths] + [(digest_file, p) for p in paths]
-    results = _parallel(lambda task: task[0](task[1]), tasks, workers=min(len(tasks), 64))
-    sums = results[len(paths) :]
-    for d in sorted({p.parent for p in paths} | {folder}, key=lambda d: len(d.parts), reverse=True):
+    sums = _parallel(lambda task: task[0](task[1]), tasks, workers=min(len(tasks), 64))[len(paths) :]
+    return {rel: {"size": p.stat().st_size, "xxh3_64": c} for rel, p, c in zip(rels, paths, sums, strict=True)}
+
+
+def fsync_dirs(folder: Path) -> None:
+    """fsync `folder` and every folder below it, deepest first."""
+    for d in sorted([folder, *(p for p in folder.rglob("*") if p.is_dir())], key=lambda d: len(d.parts), reverse=True):
         fsync_dir(d)
-    return {str(p.relative_to(folder)): {"size": p.stat().st_size, "xxh3_64": c} for p, c in zip(paths, sums, strict=True)}
+
+
+def seal_shared(accelerator: Accelerator, folder: Path) -> tuple[dict[str, dict[str, Any]], str | None]:
+    """Every rank checksums and fsyncs its `share` of the files below `folder`; called on every rank.
+
+    Returns the manifest entries of every file (on rank 0; {} elsewhere) and the first failure of any
+    rank (rank 0 also checks that the ranks listed the same files). Under ZeRO or FSDP every rank
+    writes shards: if rank 0 alone read them all back, the job would wait on one rank's disk
+    bandwidth for the whole state; this way each rank reads about 1/world_size of it.
+    """
+    entries, error = {}, None
+    try:
+        listing = files_below(folder)
+        entries = seal(folder, share(listing, accelerator.num_processes)[accelerator.process_index])
+    except Exception as err:
+        listing, error = {}, f"{type(err).__name__}: {err}"
+    outcomes = gathered(accelerator, (entries, error))
+    error = next((e for _, e in outcomes if e), None)
+    if not accelerator.is_main_process:
+        return {}, error
+    files = {rel: entry for found, _ in outcomes for rel, entry in found.items()}
+    if error is None and files.keys() != listing.keys():
+        error = f"the ranks saw different files in {folder} (a file system without consistent listings?)"
+    return dict(sorted(files.items())), error
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
@@ -239,21 +284,26 @@ class CheckpointManager:
         return None, {}
 
     def _load_verified(self, path: Path, checksums: bool) -> str | None:
-        """Load `path` on every rank while rank 0 checksums it; why it is unusable, or None."""
+        """Load `path` on every rank while each rank checksums its `share` of the files; why it is unusable, or None."""
         acc = self.accelerator
+        mismatch, error = None, None
         with ThreadPoolExecutor(1) as pool:
-            # One file at a time: hashing runs at memory speed, so more threads only slow the load down.
-            checked = pool.submit(checksum_problem, path, 1) if checksums and acc.is_main_process else None
-            error = None
+            checked = None
+            if checksums:
+                files = read_manifest(path)["files"]
+                mine = share({rel: entry["size"] for rel, entry in files.items()}, acc.num_processes)[acc.process_index]
+                # One file at a time: hashing runs at memory speed, so more threads only slow the load down.
+                checked = pool.submit(checksum_problem, path, 1, {rel: files[rel] for rel in mine})
             try:
                 acc.load_state(str(path))
             except Exception as err:  # a damaged file the checksums will name, usually
-                error = err
-            loaded = all_ranks_ok(acc, error is None)
-            why = self._on_main(lambda: checked.result() if checked else None)
-        if why is None and not loaded:
-            why = f"loading failed ({error})" if error else "loading failed on another rank"
-        return why
+                error = f"loading failed ({err})"
+            try:
+                mismatch = checked.result() if checked else None
+            except OSError as err:
+                mismatch = f"checksumming failed ({err})"
+        outcomes = gathered(acc, (mismatch, error))
+        return next((m for m, _ in outcomes if m), None) or next((e for _, e in outcomes if e), None)
 
     def _on_main(self, fn):
         """fn() computed on rank 0, returned on every rank."""
@@ -312,9 +362,10 @@ class CheckpointManager:
             return final
         if pause := float(os.environ.get(PAUSE_ENV, 0)):
             time.sleep(pause)
-        if acc.is_main_process:
+        files, error = seal_shared(acc, work)
+        if acc.is_main_process and error is None:
             try:
-                self._commit(work, final, step, manifest)
+                self._commit(work, final, step, manifest, files)
             except Exception as err:
                 error = err
         if not all_ranks_ok(acc, error is None):
@@ -325,9 +376,11 @@ class CheckpointManager:
         acc.wait_for_everyone()
         return final
 
-    def _commit(self, work: Path, final: Path, step: int, manifest: dict[str, Any]) -> None:
+    def _commit(self, work: Path, final: Path, step: int, manifest: dict[str, Any], files: dict | None = None) -> None:
+        """On rank 0: config.json, the checksums (of every file, unless `files` has the ranks' own), manifest.json, rename."""
         (work / CONFIG).write_text(to_json(self.config))
-        files = seal(work)
+        files = seal(work) if files is None else {**files, **seal(work, [CONFIG])}
+        fsync_dirs(work)
         atomic_write_text(work / MANIFEST, json.dumps({**manifest, "step": step, "files": files}, indent=2))
         os.rename(work, final)
         fsync_dir(self.root)

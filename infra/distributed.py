@@ -108,3 +108,12 @@ def all_ranks_ok(accelerator: Accelerator, ok: bool) -> bool:
     flag = torch.tensor([1.0 if ok else 0.0], device=accelerator.device)
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
     return bool(flag.item())
+
+
+def gathered(accelerator: Accelerator, value):
+    """`value` of every rank, in rank order, on every rank (any picklable object)."""
+    if accelerator.num_processes == 1:
+        return [value]
+    out = [None] * accelerator.num_processes
+    torch.distributed.all_gather_object(out, value)
+    return out

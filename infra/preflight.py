@@ -23,7 +23,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, gather_object
 
-from infra.checkpoint import seal
+from infra.checkpoint import seal_shared
 from infra.distributed import all_ranks_ok
 from infra.health import parameter_fingerprint
 
@@ -130,9 +130,10 @@ def round_trip(accelerator: Accelerator, model: torch.nn.Module, output_dir: str
     files: dict = {}
     start = time.perf_counter()
     error = attempt(lambda: accelerator.save_state(str(scratch)))
-    if error is None and accelerator.is_main_process:
-        error = attempt(lambda: files.update(seal(scratch)))
     saved = all_ranks_ok(accelerator, error is None)
+    if saved:  # sealed as a real save is, each rank its share
+        files, error = seal_shared(accelerator, scratch)
+        saved = all_ranks_ok(accelerator, error is None)
     save_seconds = time.perf_counter() - start
     load_seconds = 0.0
     if saved:
@@ -148,7 +149,7 @@ def round_trip(accelerator: Accelerator, model: torch.nn.Module, output_dir: str
     if accelerator.is_main_process:
         shutil.rmtree(scratch, ignore_errors=True)
     if not saved:
-        why = f"{type(error).__name__}: {error}" if error else "it failed on another rank"
+        why = error if isinstance(error, str) else f"{type(error).__name__}: {error}" if error else "it failed on another rank"
         return Check("checkpoint", False, f"save_state/load_state round trip in {scratch} failed: {why}"), 0, 0.0
     size = sum(f["size"] for f in files.values())
     if not sharded and parameter_fingerprint(unwrapped) != before:

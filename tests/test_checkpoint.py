@@ -11,6 +11,8 @@ import time
 import pytest
 import torch
 from accelerate import Accelerator
+from hypothesis import given
+from hypothesis import strategies as st
 
 from infra.checkpoint import (
     CORRUPT,
@@ -21,6 +23,7 @@ from infra.checkpoint import (
     crc32_file,
     problem,
     read_manifest,
+    share,
 )
 from infra.files import atomic_write_text
 
@@ -86,6 +89,16 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(accelerator
     assert checkpoints.resume("auto") == (None, {})
     with pytest.raises(CheckpointError, match="cannot resume from .*step_00000009: no manifest.json"):
         checkpoints.resume(str(tmp_path / "checkpoints" / "step_00000009"))
+
+
+@given(st.dictionaries(st.text(min_size=1, max_size=8), st.integers(0, 10**9), max_size=40), st.integers(1, 9))
+def test_ranks_share_the_checksumming_evenly(sizes, ranks):
+    """Every file is checked by exactly one rank, and no rank reads more than the lightest one plus one file."""
+    shares = share(sizes, ranks)
+    assert len(shares) == ranks and sorted(rel for part in shares for rel in part) == sorted(sizes)
+    loads = [sum(sizes[rel] for rel in part) for part in shares]
+    assert max(loads) - min(loads) <= max(sizes.values(), default=0)
+    assert share(dict(reversed(sizes.items())), ranks) == shares  # the same split on every rank, whatever its listing order
 
 
 def test_checkpoints_with_crc32_manifests_still_verify(accelerator, trainer, tmp_path):

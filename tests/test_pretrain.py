@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from infra.checkpoint import PAUSE_ENV
+from infra.checkpoint import PAUSE_ENV, read_manifest, share
 from infra.data import PackedDataset
 from infra.data.loader import EpochOrder
 from infra.health import FAULTS_ENV
@@ -291,6 +291,8 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(straight, sm
     first = launch("cpu.yaml", recipe_args(small_data, out, 2 * STEPS - 4, "--report_to", "none", "--save_total_limit", "3"), tmp_path)
     assert first.returncode == 0
     newest = out / "checkpoints" / f"step_{2 * STEPS - 4:08d}" / "model.safetensors"
+    files = read_manifest(newest.parent)["files"]
+    assert "model.safetensors" in share({rel: e["size"] for rel, e in files.items()}, 2)[1]  # rank 1 checks it, rank 0 must hear
     raw = bytearray(newest.read_bytes())
     raw[-100] ^= 0x10
     newest.write_bytes(bytes(raw))
