@@ -21,6 +21,9 @@ from infra.config import TrainingArguments
 REPO = Path(__file__).resolve().parents[1]
 
 
+FSDP_ON_CPU_ENV = "INFRA_FSDP_ON_CPU"
+
+
 class LaunchError(RuntimeError):
     """The processes of this launch do not form the job they were launched as."""
 
@@ -33,10 +36,12 @@ def launched_world_size() -> int:
 def build_accelerator(args: TrainingArguments, log_with: str | None = None) -> Accelerator:
     """The recipe's Accelerator: mixed precision, accumulation, timeouts and CPU fixes applied."""
     on_cpu = not torch.cuda.is_available()
-    if on_cpu and launched_world_size() > 1 and requested_engine() is None:
+    fsdp_on_cpu = on_cpu and requested_engine() == DistributedType.FSDP and os.environ.get(FSDP_ON_CPU_ENV) == "1"
+    if on_cpu and launched_world_size() > 1 and (requested_engine() is None or fsdp_on_cpu):
         # accelerate's multi-GPU launcher does not pass ACCELERATE_USE_CPU to its workers; without
         # it each CPU process believes it is alone and every rank would train and write as rank 0.
-        # (Not for DeepSpeed or FSDP: ACCELERATE_USE_CPU would silently turn them into plain DDP.)
+        # (Not for DeepSpeed or FSDP: ACCELERATE_USE_CPU would silently turn them into plain DDP; FSDP on
+        # CPU, when asked for, is made FSDP again below.)
         os.environ["ACCELERATE_USE_CPU"] = "1"
     # DeepSpeed JIT-builds its CPU ops on first use (~1 min); keep them between runs.
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
@@ -55,9 +60,50 @@ def build_accelerator(args: TrainingArguments, log_with: str | None = None) -> A
         step_scheduler_with_optimizer=False,  # the recipe steps the schedule once per optimizer step
         kwargs_handlers=[init],
     )
+    if fsdp_on_cpu:
+        fsdp_over_cpu_processes(accelerator)
     check_world(accelerator)
     configure_deepspeed(accelerator, args)
     return accelerator
+
+
+def fsdp_over_cpu_processes(accelerator: Accelerator) -> None:
+    """Make a group of CPU processes run FSDP: accelerate enables FSDP on accelerators only, though torch's
+    FSDP2 shards over gloo too. Opt-in (INFRA_FSDP_ON_CPU=1), so FSDP's save, resume and export are tested here."""
+    from accelerate.state import PartialState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()  # from the launcher's FSDP_* variables, as accelerate builds it
+    plugin.set_mixed_precision(accelerator.mixed_precision)
+    accelerator.state.fsdp_plugin = plugin
+    # as AcceleratorState sets it for accelerators (each new AcceleratorState copies PartialState's)
+    accelerator.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+def ready_for_fsdp(accelerator: Accelerator, model: torch.nn.Module) -> None:
+    """Work around two failures of accelerate 1.15's FSDP2 preparation of transformers models.
+
+    - Its units: each `_no_split_modules` class, then the input embedding on its own. Where the
+      embedding sits inside such a class (BertEmbeddings, ViTEmbeddings) its weight is already
+      sharded and `fully_shard` fails on the DTensor. Those classes are left out of the units (their
+      other parameters join the root's), unless the launcher named the classes to wrap.
+    - With `fsdp_cpu_ram_efficient_loading`, transformers leaves the weights a checkpoint lacks (a
+      new classifier head) on the meta device on ranks other than 0. accelerate maps the optimizer's
+      parameters to the sharded ones by data_ptr, which is 0 for all of them: two merge, and the
+      first save fails on that rank while the others wait in a collective. They get storage here;
+      their values do not matter, as rank 0's weights are broadcast after sharding.
+    """
+    if accelerator.distributed_type != DistributedType.FSDP or accelerator.state.fsdp_plugin.fsdp_version != 2:
+        return
+    plugin = accelerator.state.fsdp_plugin
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if plugin.transformer_cls_names_to_wrap is None and embedding is not None:
+        around = {type(m).__name__ for m in model.modules() if m is not embedding and any(c is embedding for c in m.modules())}
+        plugin.transformer_cls_names_to_wrap = [name for name in getattr(model, "_no_split_modules", None) or [] if name not in around]
+    if plugin.cpu_ram_efficient_loading and not accelerator.is_main_process:
+        for module in model.modules():
+            if any(p.is_meta for p in module.parameters(recurse=False)):
+                module.to_empty(device="cpu", recurse=False)
 
 
 def requested_engine() -> DistributedType | None:
@@ -75,7 +121,10 @@ def check_world(accelerator: Accelerator) -> None:
     if engine is not None and accelerator.distributed_type != engine:
         hint = ""
         if engine == DistributedType.FSDP and not torch.cuda.is_available():
-            hint = ": accelerate runs FSDP on accelerators only (not on CPU processes); here use cpu.yaml, zero2.yaml or zero3.yaml"
+            hint = (
+                ": accelerate runs FSDP on accelerators only (not on CPU processes); here use cpu.yaml, zero2.yaml or zero3.yaml, "
+                f"or set {FSDP_ON_CPU_ENV}=1 to run FSDP2 over gloo as the tests do"
+            )
         raise LaunchError(f"the accelerate config asks for {engine.value} but this process runs {accelerator.distributed_type.value}{hint}")
     launched = launched_world_size()
     if accelerator.num_processes != launched:

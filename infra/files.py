@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 
@@ -37,6 +38,13 @@ def atomic_write_text(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def publish_dir(work: Path, out: Path) -> None:
+    """Rename the finished folder `work` to `out`, replacing what was there (its files are on disk already)."""
+    shutil.rmtree(out, ignore_errors=True)
+    os.rename(work, out)
+    fsync_dir(out.parent)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:

@@ -18,6 +18,7 @@ import contextlib
 import json
 import math
 import re
+import shutil
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -27,14 +28,15 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
+from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from infra.checkpoint import CheckpointError, CheckpointManager, SaveSchedule, TrainState, environment_facts, write_model_card
 from infra.config import DataArguments, TrainingArguments
 from infra.data import DataCursor, PackedDataset, ResumableLoader, SampleTrace, eval_batches
-from infra.distributed import LaunchError, build_accelerator
-from infra.files import atomic_write_text
+from infra.distributed import LaunchError, build_accelerator, ready_for_fsdp
+from infra.files import atomic_write_text, fsync_tree, publish_dir
 from infra.health import STRAGGLER_EXIT_CODE, Faults, Heartbeat, StragglerDetector, check_replicas_in_sync, nonfinite
 from infra.metrics import Throughput, peak_bf16_flops
 from infra.preflight import EtaCheck, kept_checkpoints, run_preflight
@@ -165,6 +167,7 @@ def exit_on(error: type[Exception], prefix: str):
 def train(accelerator: Accelerator, args: TrainingArguments, data_args: DataArguments, config: dict, job: Job) -> None:
     """Prepare, preflight, resume, train to max_steps (or a preemption), save, export. Called on every rank."""
     held_out = job.data.held_out
+    ready_for_fsdp(accelerator, job.model)  # before the optimizer takes the parameters
     optimizer = build_optimizer(job.model, args)
     loader, cursor = make_loader(accelerator, job.data.train, held_out, data_args, args)
     model, optimizer = accelerator.prepare(job.model, optimizer)
@@ -310,6 +313,8 @@ def train(accelerator: Accelerator, args: TrainingArguments, data_args: DataArgu
                     accelerator.backward(loss)
                 step_loss += loss.detach()
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm) if args.max_grad_norm else None
+            if isinstance(grad_norm, DTensor):  # FSDP2's norm of sharded gradients
+                grad_norm = grad_norm.full_tensor()
             # one all-reduce: preemption, rank 0's clock, and a non-finite loss or gradient on any rank (fp16: the loss
             # scaler skips steps with inf/NaN gradients and lowers its scale by itself; only the loss counts)
             save_now, preempted, skipped = schedule.check(state.step + 1, nonfinite(step_loss, None if fp16 else grad_norm))
@@ -408,18 +413,26 @@ def train(accelerator: Accelerator, args: TrainingArguments, data_args: DataArgu
         raise SystemExit(STRAGGLER_EXIT_CODE)
     check_replicas_in_sync(accelerator, model)
 
-    # Export: safetensors weights and the processor, loadable with from_pretrained
-    final = f"{args.output_dir}/final"
+    # Export: safetensors weights and the processor, loadable with from_pretrained; written aside, then renamed into place
+    final = Path(args.output_dir) / "final"
+    work = final.with_name("final.partial")
+    if accelerator.is_main_process:
+        shutil.rmtree(work, ignore_errors=True)
+    accelerator.wait_for_everyone()
     accelerator.unwrap_model(model).save_pretrained(
-        final,
+        work,
         state_dict=accelerator.get_state_dict(model),
         is_main_process=accelerator.is_main_process,
         save_function=accelerator.save,
         safe_serialization=True,
     )
+    accelerator.wait_for_everyone()  # every rank is done with the folder (save_pretrained lists it on each)
     if accelerator.is_main_process:
-        job.processor.save_pretrained(final)
-        write_model_card(final, job.name, config, {"step": state.step, f"{job.unit}_seen": state.tokens_seen, **metrics})
+        job.processor.save_pretrained(work)
+        write_model_card(work, job.name, config, {"step": state.step, f"{job.unit}_seen": state.tokens_seen, **metrics})
+        fsync_tree(work)
+        publish_dir(work, final)
+    accelerator.wait_for_everyone()
     accelerator.print(f"done: step {state.step}, {state.tokens_seen} {job.unit}; model exported to {final}")
     tracker.close()
     if args.log_model and accelerator.is_main_process and (uri := log_model(final, job.task, args.register_model)):

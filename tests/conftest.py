@@ -51,12 +51,13 @@ def launch_command(
     launcher_args: tuple[str, ...] = (),
     launcher: tuple[str, ...] = (str(BIN / "accelerate"), "launch"),
     port: int | None = None,
+    env: dict[str, str] | None = None,
 ):
     """`accelerate launch --config_file accelerate_configs/X recipes/R.py ...`, as the README shows it, and its environment.
 
-    The only environment added is where MLflow writes (a store in tmp_path).
+    The environment added is where MLflow writes (a store in tmp_path), and `env`.
     """
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", **(env or {})}
     cmd = [
         *launcher,
         "--config_file",

@@ -172,7 +172,8 @@ def test_two_processes_train_as_one_job(straight, small_data):
     assert torch.equal(model.model.embed_tokens.weight, weights(out)["model.embed_tokens.weight"])
 
 
-@pytest.mark.parametrize("async_save", ["false", "true"])
+# synchronous saves resume exactly in the kill -9 and corrupt-checkpoint tests below too: that variant is slow
+@pytest.mark.parametrize("async_save", [pytest.param("false", marks=pytest.mark.slow), "true"])
 def test_resume_is_bit_exact(async_save, straight, small_data, tmp_path):
     """N steps, a new launch that auto-resumes for N more == 2N straight, with dropout on (saves synchronous or in the background)."""
     straight_tmp, _ = straight

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -31,7 +30,7 @@ import numpy as np
 import torch
 
 from infra.data.remote import RemoteDir, is_remote
-from infra.files import atomic_write_text, fsync_dir, sha256_file
+from infra.files import atomic_write_text, publish_dir, sha256_file
 
 FORMAT_VERSION = 2  # 2 added fields besides the primary one; version 1 still reads
 INDEX_FILE = "index.json"
@@ -83,9 +82,7 @@ class DataIndex:
     def publish(self, work: Path, out: Path) -> None:
         """Write this index last into the finished folder `work`, then rename it to `out` (replacing a leftover)."""
         self.save(work)
-        shutil.rmtree(out, ignore_errors=True)  # a folder without index.json is an unfinished leftover
-        work.rename(out)
-        fsync_dir(out.parent)
+        publish_dir(work, out)  # what was at `out` without index.json is an unfinished leftover
 
     @classmethod
     def load(cls, data_dir: Path) -> DataIndex:
