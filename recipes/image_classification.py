@@ -52,7 +52,9 @@ def build_model(args: ModelArguments, image_size: int, num_channels: int, labels
     if args.model_name_or_path:
         source = model_source(args.model_name_or_path, "pass a path or hub id of an image model")
         with exit_on(OSError, "model error"):
-            return AutoModelForImageClassification.from_pretrained(source, num_labels=len(labels), ignore_mismatched_sizes=True, **names)
+            model = AutoModelForImageClassification.from_pretrained(source, num_labels=len(labels), ignore_mismatched_sizes=True, **names)
+        check_fits_images(model.config, source, image_size, num_channels)
+        return model
     if args.architecture == "vit":
         if image_size % args.patch_size:
             raise SystemExit(
@@ -75,6 +77,17 @@ def build_model(args: ModelArguments, image_size: int, num_channels: int, labels
             "resnet", num_channels=num_channels, embedding_size=widths[0], hidden_sizes=widths, depths=[1] * len(widths), **names
         )
     return AutoModelForImageClassification.from_config(config)
+
+
+def check_fits_images(config, source: str, image_size: int, num_channels: int) -> None:
+    """A pretrained model takes the images the data holds, or the run stops here, before the preflight."""
+    for name, have in (("num_channels", num_channels), ("image_size", image_size)):
+        want = getattr(config, name, None)  # ResNet takes any image_size
+        if want is not None and want != have:
+            raise SystemExit(
+                f"data error: {source!r} takes {name}={want} but the data holds {have}: prepare it with "
+                f"python -m infra.data.tasks --task image_classification --{name} {want}"
+            )
 
 
 def processor_for(image_size: int, num_channels: int) -> ViTImageProcessor:

@@ -273,3 +273,21 @@ def test_an_image_folder_prepares_with_its_subfolders_as_labels(tmp_path):
     assert dataset.index.labels == ["cat", "dog"] and dataset.index.sample_shape == [1, 16, 16]
     batch = dataset.__getitems__(list(range(len(dataset))))
     assert sorted(batch["labels"].tolist()) == [0, 0, 0, 1, 1] and batch["pixel_values"].dtype == torch.uint8
+
+
+def test_a_pretrained_image_model_must_take_the_data_s_images(tmp_path):
+    """Weights for 16x16 RGB against 8x8 grey digits: one line naming the field and how to prepare the data, before any launch work."""
+    from transformers import AutoConfig, AutoModelForImageClassification
+
+    from recipes.image_classification import ModelArguments, build_model
+
+    config = AutoConfig.for_model(
+        "vit", image_size=16, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+    )
+    AutoModelForImageClassification.from_config(config).save_pretrained(tmp_path / "rgb16")
+    args = ModelArguments(model_name_or_path=str(tmp_path / "rgb16"))
+    with pytest.raises(SystemExit, match=r"data error: .*rgb16' takes num_channels=3 but the data holds 1: prepare .*--num_channels 3"):
+        build_model(args, image_size=8, num_channels=1, labels=["a", "b"])
+    with pytest.raises(SystemExit, match=r"takes image_size=16 but the data holds 8: .*--image_size 16"):
+        build_model(args, image_size=8, num_channels=3, labels=["a", "b"])
+    assert build_model(args, image_size=16, num_channels=3, labels=["a", "b"]).config.num_labels == 2
