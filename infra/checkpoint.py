@@ -9,9 +9,10 @@ Layout:
                                               and xxh3-64, world size, versions, git commit, run id
     OUTPUT_DIR/checkpoints/corrupt/           checkpoints that failed verification, kept for a look
 
-A save goes to `.step_XXXXXXXX.partial/`. When every rank has written its part, rank 0 reads each
-file back once to checksum it while the file is fsynced (one thread per file, so hashing overlaps
-the disk flush), writes `manifest.json` last, renames the folder into place and only then prunes.
+A save goes to `.step_XXXXXXXX.partial/`. When every rank has written its part, each rank reads
+its share of the files back once to checksum them while they are fsynced (one thread per file, so
+hashing overlaps the disk flush; the files are dealt to the ranks by size), then rank 0 writes
+`manifest.json` last, renames the folder into place and only then prunes.
 A folder without a whole manifest is never loaded; leftovers of interrupted saves are removed.
 
 Why xxh3-64 and not sha256: the checksum guards against torn, truncated and bit-rotted files (a
@@ -256,7 +257,7 @@ class CheckpointManager:
 
         'none' starts fresh; a path must verify; 'auto' takes the newest that verifies, and reports
         in one line and moves to `checkpoints/corrupt/` each one that does not. Rank 0 checks the
-        manifest and sizes, then checksums every file while all ranks load it: loading is
+        manifest and sizes, then every rank checksums its share of the files while all load it: loading is
         idempotent, so when the checksums disagree the next candidate is simply loaded over it, and
         verification costs little more than the load itself. Counters and the data cursor are
         restored from the manifest (JSON) by the caller, so nothing of ours is unpickled.
@@ -287,20 +288,22 @@ class CheckpointManager:
         """Load `path` on every rank while each rank checksums its `share` of the files; why it is unusable, or None."""
         acc = self.accelerator
         mismatch, error = None, None
+
+        def check_my_share() -> str | None:
+            files = read_manifest(path)["files"]
+            mine = share({rel: entry["size"] for rel, entry in files.items()}, acc.num_processes)[acc.process_index]
+            # One file at a time: hashing runs at memory speed, so more threads only slow the load down.
+            return checksum_problem(path, 1, {rel: files[rel] for rel in mine})
+
         with ThreadPoolExecutor(1) as pool:
-            checked = None
-            if checksums:
-                files = read_manifest(path)["files"]
-                mine = share({rel: entry["size"] for rel, entry in files.items()}, acc.num_processes)[acc.process_index]
-                # One file at a time: hashing runs at memory speed, so more threads only slow the load down.
-                checked = pool.submit(checksum_problem, path, 1, {rel: files[rel] for rel in mine})
+            checked = pool.submit(check_my_share) if checksums else None
             try:
                 acc.load_state(str(path))
             except Exception as err:  # a damaged file the checksums will name, usually
                 error = f"loading failed ({err})"
             try:
                 mismatch = checked.result() if checked else None
-            except OSError as err:
+            except Exception as err:  # whatever it is, every rank must reach the gather below
                 mismatch = f"checksumming failed ({err})"
         outcomes = gathered(acc, (mismatch, error))
         return next((m for m, _ in outcomes if m), None) or next((e for _, e in outcomes if e), None)

@@ -36,7 +36,8 @@ def launched_world_size() -> int:
 def build_accelerator(args: TrainingArguments, log_with: str | None = None) -> Accelerator:
     """The recipe's Accelerator: mixed precision, accumulation, timeouts and CPU fixes applied."""
     on_cpu = not torch.cuda.is_available()
-    fsdp_on_cpu = on_cpu and requested_engine() == DistributedType.FSDP and os.environ.get(FSDP_ON_CPU_ENV) == "1"
+    asked_fsdp_on_cpu = requested_engine() == DistributedType.FSDP and os.environ.get(FSDP_ON_CPU_ENV) == "1"
+    fsdp_on_cpu = on_cpu and launched_world_size() > 1 and asked_fsdp_on_cpu
     if on_cpu and launched_world_size() > 1 and (requested_engine() is None or fsdp_on_cpu):
         # accelerate's multi-GPU launcher does not pass ACCELERATE_USE_CPU to its workers; without
         # it each CPU process believes it is alone and every rank would train and write as rank 0.

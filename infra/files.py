@@ -41,10 +41,15 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def publish_dir(work: Path, out: Path) -> None:
-    """Rename the finished folder `work` to `out`, replacing what was there (its files are on disk already)."""
-    shutil.rmtree(out, ignore_errors=True)
+    """Rename the finished folder `work` to `out` (its files are on disk already). What was at `out` is
+    renamed aside first and deleted last, so a crash leaves the old folder or the new one, whole."""
+    old = out.with_name(out.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        os.rename(out, old)
     os.rename(work, out)
     fsync_dir(out.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:

@@ -35,7 +35,7 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 from infra.checkpoint import CheckpointError, CheckpointManager, SaveSchedule, TrainState, environment_facts, write_model_card
 from infra.config import DataArguments, TrainingArguments
 from infra.data import DataCursor, PackedDataset, ResumableLoader, SampleTrace, eval_batches
-from infra.distributed import LaunchError, build_accelerator, ready_for_fsdp
+from infra.distributed import LaunchError, all_ranks_ok, build_accelerator, ready_for_fsdp
 from infra.files import atomic_write_text, fsync_tree, publish_dir
 from infra.health import STRAGGLER_EXIT_CODE, Faults, Heartbeat, StragglerDetector, check_replicas_in_sync, nonfinite
 from infra.metrics import Throughput, peak_bf16_flops
@@ -427,12 +427,17 @@ def train(accelerator: Accelerator, args: TrainingArguments, data_args: DataArgu
         safe_serialization=True,
     )
     accelerator.wait_for_everyone()  # every rank is done with the folder (save_pretrained lists it on each)
+    error = None
     if accelerator.is_main_process:
-        job.processor.save_pretrained(work)
-        write_model_card(work, job.name, config, {"step": state.step, f"{job.unit}_seen": state.tokens_seen, **metrics})
-        fsync_tree(work)
-        publish_dir(work, final)
-    accelerator.wait_for_everyone()
+        try:
+            job.processor.save_pretrained(work)
+            write_model_card(work, job.name, config, {"step": state.step, f"{job.unit}_seen": state.tokens_seen, **metrics})
+            fsync_tree(work)
+            publish_dir(work, final)
+        except Exception as err:  # a full disk, say: every rank must hear of it
+            error = err
+    if not all_ranks_ok(accelerator, error is None):
+        raise SystemExit(f"export error: writing {final} failed ({error or 'on rank 0'}); the checkpoints are intact: relaunch to export")
     accelerator.print(f"done: step {state.step}, {state.tokens_seen} {job.unit}; model exported to {final}")
     tracker.close()
     if args.log_model and accelerator.is_main_process and (uri := log_model(final, job.task, args.register_model)):

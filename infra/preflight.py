@@ -161,9 +161,10 @@ def round_trip(accelerator: Accelerator, model: torch.nn.Module, output_dir: str
 
 def disk(output_dir: str | os.PathLike, checkpoint_bytes: int, kept: int, export_bytes: int) -> Check:
     """Free space against `kept` checkpoints, one more being written, and the exported model, less what a
-    resumed run's checkpoints and export already take (they are replaced, not added to)."""
+    resumed run's checkpoints already take (they are replaced, not added to; an earlier export stays
+    until the new one is in place)."""
     out = Path(output_dir)
-    present = sum(f.stat().st_size for d in ("checkpoints", "final") if (out / d).is_dir() for f in (out / d).rglob("*") if f.is_file())
+    present = sum(f.stat().st_size for f in (out / "checkpoints").rglob("*") if f.is_file()) if (out / "checkpoints").is_dir() else 0
     need = max(0, checkpoint_bytes * (kept + 1) + export_bytes - present)
     free = shutil.disk_usage(out).free
     detail = f"{_size(free)} free in {output_dir}; checkpoints need ~{_size(need)} more ({kept} kept + 1 being written, and the export)"

@@ -53,7 +53,7 @@ def build_model(args: ModelArguments, image_size: int, num_channels: int, labels
         source = model_source(args.model_name_or_path, "pass a path or hub id of an image model")
         with exit_on(OSError, "model error"):
             model = AutoModelForImageClassification.from_pretrained(source, num_labels=len(labels), ignore_mismatched_sizes=True, **names)
-        check_fits_images(model.config, source, image_size, num_channels)
+        check_fits_images(model, source, image_size, num_channels)
         return model
     if args.architecture == "vit":
         if image_size % args.patch_size:
@@ -79,15 +79,34 @@ def build_model(args: ModelArguments, image_size: int, num_channels: int, labels
     return AutoModelForImageClassification.from_config(config)
 
 
-def check_fits_images(config, source: str, image_size: int, num_channels: int) -> None:
-    """A pretrained model takes the images the data holds, or the run stops here, before the preflight."""
-    for name, have in (("num_channels", num_channels), ("image_size", image_size)):
-        want = getattr(config, name, None)  # ResNet takes any image_size
-        if want is not None and want != have:
-            raise SystemExit(
-                f"data error: {source!r} takes {name}={want} but the data holds {have}: prepare it with "
-                f"python -m infra.data.tasks --task image_classification --{name} {want}"
-            )
+def check_fits_images(model, source: str, image_size: int, num_channels: int) -> None:
+    """A pretrained model takes the data's images, or the run stops here in one line, before the preflight.
+
+    The channels are compared; the size is tried with one blank image, as many models (ConvNeXt,
+    MobileNet, DINOv2, ResNet) take any size whatever their config's `image_size` says, and ViT does not.
+    """
+    want = getattr(model.config, "num_channels", None)
+    prepare = "prepare it with python -m infra.data.tasks --task image_classification"
+    if want is not None and want != num_channels:
+        raise SystemExit(
+            f"data error: {source!r} takes num_channels={want} but the data holds {num_channels}: {prepare} --num_channels {want}"
+        )
+    params = list(model.parameters())
+    if any(p.is_meta or hasattr(p, "ds_id") for p in params):  # not materialised on this rank (FSDP/ZeRO-3 loading): rank 0 tries
+        return
+    training = model.training
+    model.eval()  # no dropout, no batch-norm statistics updated: the run is unchanged
+    try:
+        with torch.no_grad():
+            model(pixel_values=torch.zeros(1, num_channels, image_size, image_size, dtype=params[0].dtype))
+    except Exception as err:
+        size = getattr(model.config, "image_size", None)
+        raise SystemExit(
+            f"data error: {source!r} does not take the data's {image_size}x{image_size} images ({err}): "
+            + (f"{prepare} --image_size {size}" if isinstance(size, int) else "prepare it at the size the model was trained on")
+        ) from None
+    finally:
+        model.train(training)
 
 
 def processor_for(image_size: int, num_channels: int) -> ViTImageProcessor:

@@ -240,3 +240,18 @@ def test_a_background_save_holds_the_state_of_its_step(accelerator, trainer, tmp
             if (checkpoints.path(saved) / name).exists():
                 assert (checkpoints.path(saved) / name).read_bytes() == (sync.path(saved) / name).read_bytes(), name
         state.step = saved  # resumed: the counters come from the manifest in a recipe
+
+
+def test_a_published_folder_replaces_the_old_one_whole(tmp_path):
+    """The export and prepared data are renamed into place: the old folder is moved aside, then deleted, never mixed."""
+    from infra.files import publish_dir
+
+    out, work = tmp_path / "final", tmp_path / "final.partial"
+    for folder, names in ((out, ("a", "old_only")), (work, ("a", "b"))):
+        folder.mkdir()
+        for name in names:
+            (folder / name).write_text(folder.name)
+    (tmp_path / "final.old").mkdir()  # left by a crash between the two renames of an earlier publish
+    publish_dir(work, out)
+    assert sorted(p.name for p in out.iterdir()) == ["a", "b"] and (out / "a").read_text() == "final.partial"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
