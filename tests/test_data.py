@@ -287,6 +287,13 @@ def test_the_recipe_refuses_damaged_data_and_writes_nothing(tmp_path, tiny_data)
     assert proc.stderr.strip().splitlines()[-1] == f"data error: {data / 'shard_00002.npy'} is listed in index.json but missing"
     assert not (tmp_path / "out").exists() and not (tmp_path / "mlflow.db").exists()
 
+    # 2 processes: only local rank 0 reads the shards' headers; its refusal stops the launch, nobody waits for it
+    from tests.conftest import launch
+
+    launched = launch("cpu.yaml", ["--data_dir", str(data), "--output_dir", str(tmp_path / "out")], tmp_path, timeout=120)
+    assert launched.returncode != 0 and f"data error: {data / 'shard_00002.npy'} is listed" in launched.stderr
+    assert not (tmp_path / "out").exists()
+
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_held_out_samples_never_reach_training_and_every_rank_evaluates_alike(small_data, world):

@@ -203,12 +203,13 @@ class PackedDataset(torch.utils.data.Dataset):
 
     max_open_shards = 512
 
-    def __init__(self, data_dir: str | os.PathLike, verify_checksums: bool = False, hash_fetches: bool = False):
+    def __init__(self, data_dir: str | os.PathLike, verify_checksums: bool = False, hash_fetches: bool = False, check: bool = True):
         self.source = str(data_dir)  # a folder, or an fsspec URL read through a local cache (infra.data.remote)
         self.remote = RemoteDir(self.source) if is_remote(self.source) else None
         self.data_dir = self.remote.open(INDEX_FILE, (TOKENIZER_DIR,)) if self.remote else Path(data_dir)
         self.index = DataIndex.load(self.data_dir)
-        self.check(checksums=verify_checksums)
+        if check:  # every file's size and header (and sha256 with verify_checksums); check=False where another process did
+            self.check(checksums=verify_checksums)
         # what a shard fetched later must pass (remote data): its header and size, and its sha256 if asked for
         self._fetch_checks = (
             {path.name: check for path, _, check in file_checks(self.data_dir, self.index, hash_fetches, self.remote.url)}
