@@ -35,11 +35,11 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from infra.checkpoint import CheckpointError, CheckpointManager, SaveSchedule, TrainState, environment_facts, write_model_card
 from infra.config import DataArguments, TrainingArguments
-from infra.data import DataCursor, PackedDataset, ResumableLoader, SampleTrace, eval_batches
+from infra.data import DataCursor, PackedDataset, ResumableLoader, SampleTrace, check_fits_model, eval_batches
 from infra.distributed import LaunchError, all_ranks_ok, build_accelerator, ready_for_fsdp
 from infra.files import atomic_write_text, fsync_tree, publish_dir
 from infra.health import STRAGGLER_EXIT_CODE, Faults, Heartbeat, StragglerDetector, check_replicas_in_sync, nonfinite
-from infra.metrics import Throughput, peak_bf16_flops
+from infra.metrics import Throughput, flops_per_token, peak_bf16_flops
 from infra.preflight import EtaCheck, kept_checkpoints, run_preflight
 from infra.tracking import MetricLogger, end_run, last_logged_step, log_model, run_name_for, run_tags, start_run, tracking_uri
 
@@ -97,6 +97,15 @@ def open_data(
     if tuple(dataset.fields) != fields:
         raise SystemExit(f"data error: {data_args.data_dir} holds {dataset.fields}, this recipe reads {list(fields)} ({made_by})")
     return Data(dataset, train_set, held_out, preflight_hashes)
+
+
+def causal_lm_flops(model: torch.nn.Module, dataset: PackedDataset, eos_token_id: int) -> float:
+    """Check that the token data fits the causal LM (vocabulary, positions, EOS), or exit in one line; then
+    its training FLOPs per token, counted before ZeRO-3 partitions the parameters."""
+    with exit_on(ValueError, "data error"):
+        check_fits_model(dataset.index, eos_token_id, model.config)
+    c = model.config
+    return flops_per_token(sum(p.numel() for p in model.parameters()), c.num_hidden_layers, c.hidden_size, dataset.seq_len)
 
 
 def start(args: TrainingArguments) -> Accelerator:

@@ -21,9 +21,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from infra.config import DataArguments, TrainingArguments, check_data_and_training, parse_config, require, resolved
-from infra.data import check_fits_model
-from infra.loop import Job, open_data, start, train
-from infra.metrics import flops_per_token
+from infra.loop import Job, causal_lm_flops, open_data, start, train
 from infra.tracking import run_status
 
 
@@ -96,12 +94,6 @@ def main(argv: list[str] | None = None) -> None:
     accelerator = start(args)
 
     model = build_model(model_args, tokenizer, data.dataset.seq_len)
-    try:
-        check_fits_model(data.dataset.index, tokenizer.eos_token_id, model.config)
-    except ValueError as err:
-        raise SystemExit(f"data error: {err}") from None
-    mc = model.config  # counted before ZeRO-3 partitions the parameters
-    flops = flops_per_token(sum(p.numel() for p in model.parameters()), mc.num_hidden_layers, mc.hidden_size, data.dataset.seq_len)
 
     job = Job(
         name="pretrain_clm",
@@ -113,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         task="text-generation",
         unit="tokens",
         units_per_sample=data.dataset.seq_len,
-        flops_per_unit=flops,
+        flops_per_unit=causal_lm_flops(model, data.dataset, tokenizer.eos_token_id),
     )
     train(accelerator, args, data_args, config, job)
 

@@ -20,9 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from infra.config import DataArguments, TrainingArguments, check_data_and_training, parse_config, resolved
-from infra.data import check_fits_model
-from infra.loop import Job, exit_on, model_source, open_data, start, train
-from infra.metrics import flops_per_token
+from infra.loop import Job, causal_lm_flops, exit_on, model_source, open_data, start, train
 from infra.tracking import run_status
 
 
@@ -61,12 +59,6 @@ def main(argv: list[str] | None = None) -> None:
 
     with exit_on(OSError, "model error"):
         model = AutoModelForCausalLM.from_pretrained(source)
-    try:
-        check_fits_model(data.dataset.index, tokenizer.eos_token_id, model.config)
-    except ValueError as err:
-        raise SystemExit(f"data error: {err}") from None
-    mc = model.config
-    flops = flops_per_token(sum(p.numel() for p in model.parameters()), mc.num_hidden_layers, mc.hidden_size, data.dataset.seq_len)
 
     job = Job(
         name="sft_clm",
@@ -78,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         task="text-generation",
         unit="tokens",  # padded sample length: the tokens the model processes, response or not
         units_per_sample=data.dataset.seq_len,
-        flops_per_unit=flops,
+        flops_per_unit=causal_lm_flops(model, data.dataset, tokenizer.eos_token_id),
     )
     train(accelerator, args, data_args, config, job)
 
