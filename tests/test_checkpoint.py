@@ -6,10 +6,14 @@ import json
 import os
 import resource
 import signal
+import threading
 import time
+import zlib
 
+import numpy as np
 import pytest
 import torch
+import xxhash
 from accelerate import Accelerator
 from hypothesis import given
 from hypothesis import strategies as st
@@ -18,9 +22,10 @@ from infra.checkpoint import (
     CORRUPT,
     CheckpointError,
     CheckpointManager,
+    Checksums,
     SaveSchedule,
     TrainState,
-    crc32_file,
+    _idle_priority,
     problem,
     read_manifest,
     share,
@@ -101,6 +106,50 @@ def test_ranks_share_the_checksumming_evenly(sizes, ranks):
     assert share(dict(reversed(sizes.items())), ranks) == shares  # the same split on every rank, whatever its listing order
 
 
+@pytest.mark.parametrize("flipped", [None, 0, 99_999])
+@pytest.mark.parametrize("hashed_in_background", [0, 7, "all"])
+def test_checksums_begun_in_the_background_and_taken_over_find_any_altered_byte(tmp_path, monkeypatch, flipped, hashed_in_background):
+    """However many blocks the idle thread got through (none when it is starved), problem() finishes
+    the rest, and the verdict is that of the whole files' xxh3-64."""
+    monkeypatch.setattr("infra.checkpoint.BLOCK", 4096)
+    rng = np.random.default_rng(0)
+    files = {}
+    for name, size in [("a.bin", 100_000), ("empty.bin", 0), ("b.bin", 50_000)]:
+        data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        (tmp_path / name).write_bytes(data)
+        files[name] = {"size": size, "xxh3_64": xxhash.xxh3_64_hexdigest(data)}
+    if flipped is not None:
+        data = bytearray((tmp_path / "a.bin").read_bytes())
+        data[flipped] ^= 1
+        (tmp_path / "a.bin").write_bytes(bytes(data))
+    scheduled = threading.Event()  # the thread hashes nothing until the test lets it
+    monkeypatch.setattr("infra.checkpoint._idle_priority", scheduled.wait)
+    before = set(threading.enumerate())
+    checking = Checksums(tmp_path, files)
+    (worker,) = set(threading.enumerate()) - before
+    try:
+        if hashed_in_background == "all":
+            scheduled.set()
+            worker.join(30)
+        for _ in range(0 if hashed_in_background == "all" else hashed_in_background):
+            checking._advance()  # as the thread would have, a block at a time
+        expected = None if flipped is None else "a.bin does not match its checksum (altered or damaged on disk)"
+        assert checking.problem() == expected
+    finally:
+        scheduled.set()
+    worker.join(30)
+    assert not worker.is_alive()
+
+
+def test_only_the_checksum_thread_runs_at_idle_priority():
+    policies = {}
+    thread = threading.Thread(target=lambda: (_idle_priority(), policies.update(thread=os.sched_getscheduler(0))))
+    thread.start()
+    thread.join()
+    assert policies["thread"] == os.SCHED_IDLE
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
 def test_checkpoints_with_crc32_manifests_still_verify(accelerator, trainer, tmp_path):
     """Manifests written before xxh3-64 carry CRC-32s: they are checked as such, not waved through."""
     _, state, step = trainer
@@ -110,7 +159,8 @@ def test_checkpoints_with_crc32_manifests_still_verify(accelerator, trainer, tmp
     checkpoints.wait()
     path = checkpoints.path(state.step)
     manifest = read_manifest(path)
-    manifest["files"] = {rel: {"size": e["size"], "crc32": crc32_file(path / rel)} for rel, e in manifest["files"].items()}
+    crc32 = {rel: f"{zlib.crc32((path / rel).read_bytes()):08x}" for rel in manifest["files"]}
+    manifest["files"] = {rel: {"size": e["size"], "crc32": crc32[rel]} for rel, e in manifest["files"].items()}
     atomic_write_text(path / "manifest.json", json.dumps(manifest))
     assert problem(path) is None
     with open(path / "model.safetensors", "r+b") as f:
