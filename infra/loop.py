@@ -201,6 +201,7 @@ def train(accelerator: Accelerator, args: TrainingArguments, data_args: DataArgu
             data_checksums=job.data.preflight_hashes,
         )
         if args.preflight_only:
+            accelerator.end_training()  # destroys the process group: exiting with one alive can abort ("terminate called ...")
             return
 
     # Checkpoints and tracking: resume the newest checkpoint and the same MLflow run
@@ -415,6 +416,7 @@ def train(accelerator: Accelerator, args: TrainingArguments, data_args: DataArgu
         accelerator.print(f"preempted (SIGTERM/SIGUSR1): saved step {state.step}; the next launch resumes from it")
         tracker.close()
         end_run("KILLED")
+        accelerator.end_training()
         return
     if straggling:
         if accelerator.is_main_process:  # for the batch script: requeue without these hosts
@@ -425,6 +427,7 @@ def train(accelerator: Accelerator, args: TrainingArguments, data_args: DataArgu
         )
         tracker.close()
         end_run("KILLED")
+        accelerator.end_training()
         raise SystemExit(STRAGGLER_EXIT_CODE)
     check_replicas_in_sync(accelerator, model)
 
