@@ -1,6 +1,6 @@
 """What safety costs: committed, verified checkpoints against a bare `save_state` + fsync, in one run.
 
-    make bench                          # or: python benchmarks/checkpoint_cost.py [--repeats 5] [--hidden_size 768]
+    make bench                          # or: python benchmarks/checkpoint_cost.py [--repeats 9] [--hidden_size 768]
 
 The state is a 110M-parameter Llama (tied embeddings) with AdamW moments after one step, as in
 BASELINES.md (1.31 GB). Alternating, in the same process:
@@ -65,7 +65,7 @@ def timed(fn) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--hidden_size", type=int, default=768)
     args = parser.parse_args()
     accelerator = Accelerator()
@@ -85,14 +85,16 @@ def main() -> None:
             save_state_times.append(time.perf_counter() - start)
 
         accelerator.save_state = timed_save_state
-        fsync_times, commit_times = [], []
+        fsync_times, commit_times, state_plain, state_ours = [], [], [], []
 
         def plain_save():
             accelerator.save_state(str(plain))
+            state_plain.append(save_state_times[-1])
             fsync_times.append(timed(lambda: fsync_tree(plain)))
 
         def our_save(step: int):
             total = timed(lambda: manager.save(step, {}))
+            state_ours.append(save_state_times[-1])
             commit_times.append(total - save_state_times[-1])
 
         def settle():
@@ -144,11 +146,13 @@ def main() -> None:
     print(f"background save, stall      : {st:.2f}s   stall / synchronous committed save {st / so:.2f}  (goal <= 0.1)")
     paired_save = sorted(p / o for p, o in zip(save_plain, save_ours, strict=True))
     print(f"                              paired throughput ratios, repeat by repeat: {paired_save[0]:.2f} to {paired_save[-1]:.2f}")
-    shared, fs, cm = (statistics.median(x) for x in (save_state_times[: 2 * args.repeats], fsync_times, commit_times))
+    shared, fs, cm = (statistics.median(x) for x in (state_plain + state_ours, fsync_times, commit_times))
     print(
         f"  with save_state pooled      : save_state {shared:.2f}s + fsync {fs:.2f}s bare, + commit {cm:.2f}s ours: "
         f"throughput ratio {(shared + fs) / (shared + cm):.2f}  (goal >= 0.9)"
     )
+    bare_state, our_state = statistics.median(state_plain), statistics.median(state_ours)
+    print(f"                                (save_state alone, medians: {bare_state:.2f}s bare, {our_state:.2f}s ours)")
     print(f"load_state                  : {lp:.2f}s")
     print(f"verified resume + load      : {lo:.2f}s   time ratio {lo / lp:.2f}  (goal <= 1.2)")
     paired_load = sorted(o / p for p, o in zip(load_plain, load_ours, strict=True))
