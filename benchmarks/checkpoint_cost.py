@@ -68,6 +68,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--hidden_size", type=int, default=768)
     args = parser.parse_args()
+    if args.hidden_size <= 0 or args.hidden_size % 12:
+        parser.error(f"--hidden_size={args.hidden_size}: must be a positive multiple of 12, the model's attention heads")
     accelerator = Accelerator()
     params = build(accelerator, args.hidden_size)
     scratch = Path(__file__).resolve().parents[1] / ".cache"
