@@ -56,7 +56,8 @@ MANIFEST = "manifest.json"
 CONFIG = "config.json"
 PREFIX = "step_"
 CORRUPT = "corrupt"
-BLOCK = 1 << 23
+BLOCK = 1 << 20  # hashed a block at a time: what a loader taking the checksums over may wait for
+CHECKSUM_THREAD = "checkpoint-checksums"
 # Test hook: seconds to pause after save_state and before the commit, so a test can kill a save midway.
 PAUSE_ENV = "INFRA_TEST_PAUSE_IN_SAVE"
 
@@ -119,22 +120,26 @@ def digest_file(path: Path, kind: str = "xxh3_64") -> str:
     return hasher.hexdigest()
 
 
-def _idle_priority() -> None:
-    """Let the calling thread run only on CPU time that no other thread wants (Linux's SCHED_IDLE,
-    which applies to the thread alone; elsewhere, nothing)."""
+def _lowest_priority() -> None:
+    """Give the calling thread, alone, the lowest CPU priority (nice 19; on Linux niceness is per thread).
+
+    Not SCHED_IDLE: an idle-policy thread also gets the idle I/O class, which a busy disk may never
+    serve, and the loader may have to wait for the block it is in.
+    """
     with contextlib.suppress(AttributeError, OSError):
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 class Checksums:
     """Checks files of a checkpoint against their manifest entries, a block at a time: begun by a
-    thread at idle CPU priority, finished by `problem()` at the caller's.
+    thread at the lowest CPU priority, finished by `problem()` at the caller's.
 
-    Started before a load, the thread hashes only on the cores the load leaves idle: load_state's
-    tensor copies use every core of a small machine, and hashing at normal priority beside them made a
-    verified resume 1.26-1.45x a bare load_state on 2 cores; at idle priority it is 1.0-1.07x, the hashing
-    fitting in the load's single-threaded phases (unpickling the optimizer). `problem()` takes the
-    rest over, so no hashing is left to a starved thread but the block it is in.
+    Started before a load, the thread hashes almost only on the cores the load leaves idle:
+    load_state's tensor copies use every core of a small machine, and hashing at normal priority
+    beside them made a verified resume 1.26-1.45x a bare load_state on 2 cores; at the lowest
+    priority it is 1.0-1.07x, the hashing fitting in the load's single-threaded phases (unpickling the
+    optimizer). `problem()` takes the rest over, so no hashing is left to a starved thread but the
+    1 MB block it is in.
     """
 
     def __init__(self, folder: Path, files: dict[str, dict[str, Any]], background: bool = True):
@@ -144,12 +149,14 @@ class Checksums:
         self._mismatch: str | None = None
         self._error: Exception | None = None
         if background:
-            threading.Thread(target=self._run_idle, name="checkpoint-checksums", daemon=True).start()
+            threading.Thread(target=self._run_low, name=CHECKSUM_THREAD, daemon=True).start()
 
     def _hash(self, folder: Path, files: dict[str, dict[str, Any]]) -> Iterator[None]:
         """Hashes one block per step; records the first file whose digest differs."""
         for rel, entry in files.items():
-            kind = next(k for k in HASHERS if k in entry)
+            kind = next((k for k in HASHERS if k in entry), None)
+            if kind is None:
+                raise CheckpointError(f"{rel}: its manifest entry has no checksum this version knows ({', '.join(HASHERS)})")
             hasher = HASHERS[kind]()
             for block in _blocks(folder / rel):
                 hasher.update(block)
@@ -169,8 +176,8 @@ class Checksums:
             self._error = err
             return False
 
-    def _run_idle(self) -> None:
-        _idle_priority()
+    def _run_low(self) -> None:
+        _lowest_priority()
         while True:
             with self._lock:
                 if self._taken_over or not self._advance():

@@ -409,7 +409,6 @@ def train(accelerator: Accelerator, args: TrainingArguments, data_args: DataArgu
             raise SystemExit(why) from err
         raise
     bar.close()
-    schedule.close()
     if trace:
         trace.close()
     if preempted:
@@ -417,6 +416,7 @@ def train(accelerator: Accelerator, args: TrainingArguments, data_args: DataArgu
         tracker.close()
         end_run("KILLED")
         accelerator.end_training()
+        schedule.close()  # the grace watchdog stays armed until the process group is down
         return
     if straggling:
         if accelerator.is_main_process:  # for the batch script: requeue without these hosts
@@ -428,7 +428,9 @@ def train(accelerator: Accelerator, args: TrainingArguments, data_args: DataArgu
         tracker.close()
         end_run("KILLED")
         accelerator.end_training()
+        schedule.close()
         raise SystemExit(STRAGGLER_EXIT_CODE)
+    schedule.close()
     check_replicas_in_sync(accelerator, model)
 
     # Export: safetensors weights and the processor, loadable with from_pretrained; written aside, then renamed into place

@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ from infra.checkpoint import (
     Checksums,
     SaveSchedule,
     TrainState,
-    _idle_priority,
+    _lowest_priority,
     problem,
     read_manifest,
     share,
@@ -106,24 +107,38 @@ def test_ranks_share_the_checksumming_evenly(sizes, ranks):
     assert share(dict(reversed(sizes.items())), ranks) == shares  # the same split on every rank, whatever its listing order
 
 
-@pytest.mark.parametrize("flipped", [None, 0, 99_999])
-@pytest.mark.parametrize("hashed_in_background", [0, 7, "all"])
-def test_checksums_begun_in_the_background_and_taken_over_find_any_altered_byte(tmp_path, monkeypatch, flipped, hashed_in_background):
-    """However many blocks the idle thread got through (none when it is starved), problem() finishes
-    the rest, and the verdict is that of the whole files' xxh3-64."""
-    monkeypatch.setattr("infra.checkpoint.BLOCK", 4096)
+def checksummed_files(folder: Path, flipped: tuple[str, int] | None) -> dict[str, dict]:
+    """Three files (one empty) and their manifest entries; then one byte of `flipped` (file, offset) altered on disk."""
     rng = np.random.default_rng(0)
     files = {}
     for name, size in [("a.bin", 100_000), ("empty.bin", 0), ("b.bin", 50_000)]:
         data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
-        (tmp_path / name).write_bytes(data)
+        (folder / name).write_bytes(data)
         files[name] = {"size": size, "xxh3_64": xxhash.xxh3_64_hexdigest(data)}
     if flipped is not None:
-        data = bytearray((tmp_path / "a.bin").read_bytes())
-        data[flipped] ^= 1
-        (tmp_path / "a.bin").write_bytes(bytes(data))
+        name, offset = flipped
+        data = bytearray((folder / name).read_bytes())
+        data[offset] ^= 1
+        (folder / name).write_bytes(bytes(data))
+    return files
+
+
+FLIPS = [None, ("a.bin", 0), ("a.bin", 99_999), ("b.bin", 49_999)]
+
+
+def verdict(flipped) -> str | None:
+    return None if flipped is None else f"{flipped[0]} does not match its checksum (altered or damaged on disk)"
+
+
+@pytest.mark.parametrize("flipped", FLIPS)
+@pytest.mark.parametrize("hashed_in_background", [0, 7, "all"])
+def test_checksums_taken_over_at_any_block_find_any_altered_byte(tmp_path, monkeypatch, flipped, hashed_in_background):
+    """However many blocks the thread got through (none when it is starved; it is parked here),
+    problem() finishes the rest, and the verdict is that of the whole files' xxh3-64."""
+    monkeypatch.setattr("infra.checkpoint.BLOCK", 4096)
+    files = checksummed_files(tmp_path, flipped)
     scheduled = threading.Event()  # the thread hashes nothing until the test lets it
-    monkeypatch.setattr("infra.checkpoint._idle_priority", scheduled.wait)
+    monkeypatch.setattr("infra.checkpoint._lowest_priority", scheduled.wait)
     before = set(threading.enumerate())
     checking = Checksums(tmp_path, files)
     (worker,) = set(threading.enumerate()) - before
@@ -133,21 +148,35 @@ def test_checksums_begun_in_the_background_and_taken_over_find_any_altered_byte(
             worker.join(30)
         for _ in range(0 if hashed_in_background == "all" else hashed_in_background):
             checking._advance()  # as the thread would have, a block at a time
-        expected = None if flipped is None else "a.bin does not match its checksum (altered or damaged on disk)"
-        assert checking.problem() == expected
+        assert checking.problem() == verdict(flipped)
     finally:
         scheduled.set()
     worker.join(30)
     assert not worker.is_alive()
 
 
-def test_only_the_checksum_thread_runs_at_idle_priority():
-    policies = {}
-    thread = threading.Thread(target=lambda: (_idle_priority(), policies.update(thread=os.sched_getscheduler(0))))
-    thread.start()
-    thread.join()
-    assert policies["thread"] == os.SCHED_IDLE
-    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+@pytest.mark.parametrize("flipped", FLIPS)
+def test_checksums_hashed_by_the_thread_and_the_caller_at_once(tmp_path, monkeypatch, flipped):
+    """The thread at its lowest priority and problem() race for the blocks: the lock keeps the hashing in order."""
+    monkeypatch.setattr("infra.checkpoint.BLOCK", 64)  # thousands of blocks: both threads get some
+    files = checksummed_files(tmp_path, flipped)
+    niceness = {}
+    monkeypatch.setattr("infra.checkpoint._lowest_priority", lambda: (_lowest_priority(), niceness.update(thread=current_niceness())))
+    main_before = current_niceness()
+    for _ in range(5):
+        assert Checksums(tmp_path, files).problem() == verdict(flipped)
+    assert niceness["thread"] == 19  # the hashing thread alone runs at the lowest priority
+    assert current_niceness() == main_before
+
+
+def current_niceness() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def test_a_manifest_entry_without_a_known_checksum_is_named(tmp_path):
+    (tmp_path / "a.bin").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match=r"a\.bin: its manifest entry has no checksum this version knows"):
+        Checksums(tmp_path, {"a.bin": {"size": 1, "sha512": "00"}}, background=False).problem()
 
 
 def test_checkpoints_with_crc32_manifests_still_verify(accelerator, trainer, tmp_path):
