@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -73,9 +75,36 @@ def launch_command(
     return cmd, env
 
 
+def run_launch(cmd: list[str], env: dict[str, str], timeout: int) -> subprocess.CompletedProcess:
+    """Run a launch; if it outlives `timeout`, fail with every process's Python stack and the process tree.
+
+    The launch gets its own process group: on a timeout the launcher and its workers get SIGABRT
+    (PYTHONFAULTHANDLER prints each one's stacks), then SIGKILL, so no worker outlives the test.
+    """
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env={**env, "PYTHONFAULTHANDLER": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        tree = subprocess.run(["ps", "-o", "pid,stat,etime,args", "--forest", "-g", str(proc.pid)], capture_output=True, text=True).stdout
+        os.killpg(proc.pid, signal.SIGABRT)
+        time.sleep(3)
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"launch still running after {timeout} s: {' '.join(cmd)}\n{tree}\n{stdout[-3000:]}\n{stderr[-20000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 def launch(accelerate_config: str, recipe_args: list[str], tmp_path: Path, timeout: int = 600, num_processes: int = 2, **kw):
     cmd, env = launch_command(accelerate_config, recipe_args, tmp_path, num_processes=num_processes, **kw)
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_launch(cmd, env, timeout)
     if proc.returncode != 0:
         print(proc.stdout[-5000:], proc.stderr[-8000:], sep="\n")
     return proc

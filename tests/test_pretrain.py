@@ -19,7 +19,7 @@ from infra.checkpoint import PAUSE_ENV, read_manifest, share
 from infra.data import PackedDataset
 from infra.data.loader import EpochOrder
 from infra.health import FAULTS_ENV
-from tests.conftest import BIN, REPO, free_port, launch, launch_command
+from tests.conftest import BIN, REPO, free_port, launch, launch_command, run_launch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -363,7 +363,7 @@ def elastic_restart(small_data, tmp_path, die_at_step: int) -> subprocess.Comple
         "cpu.yaml", recipe_args(small_data, tmp_path / "out", 2 * STEPS), tmp_path, launcher_args=("--max_restarts", "2")
     )
     env[FAULTS_ENV] = json.dumps({"rank": 1, "die_at_step": die_at_step})
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    return run_launch(cmd, env, timeout=240)
 
 
 def test_an_elastic_restart_resumes_by_itself_to_the_same_weights(straight, small_data, tmp_path):
