@@ -23,9 +23,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from infra.config import DataArguments, TrainingArguments, check_data_and_training, parse_config, resolved
 from infra.data.tasks import minilm_dir
-from infra.loop import Job, exit_on, model_source, open_data, start, train
+from infra.loop import Job, exit_on, model_source, open_data, run_recipe, start, train
 from infra.metrics import evaluate_classifier
-from infra.tracking import run_status
 
 
 @dataclass
@@ -92,5 +91,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    with run_status():
-        main()
+    run_recipe(main)

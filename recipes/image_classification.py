@@ -22,9 +22,8 @@ import torch
 from transformers import AutoConfig, AutoModelForImageClassification, ViTImageProcessor
 
 from infra.config import DataArguments, TrainingArguments, check_data_and_training, parse_config, require, resolved
-from infra.loop import Job, exit_on, model_source, open_data, start, train
+from infra.loop import Job, exit_on, model_source, open_data, run_recipe, start, train
 from infra.metrics import evaluate_classifier
-from infra.tracking import run_status
 
 
 @dataclass
@@ -157,5 +156,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    with run_status():
-        main()
+    run_recipe(main)

@@ -21,8 +21,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from infra.config import DataArguments, TrainingArguments, check_data_and_training, parse_config, require, resolved
-from infra.loop import Job, causal_lm_flops, open_data, start, train
-from infra.tracking import run_status
+from infra.loop import Job, causal_lm_flops, open_data, run_recipe, start, train
 
 
 @dataclass
@@ -111,5 +110,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    with run_status():  # an exception marks the MLflow run FAILED
-        main()
+    run_recipe(main)

@@ -20,8 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from infra.config import DataArguments, TrainingArguments, check_data_and_training, parse_config, resolved
-from infra.loop import Job, causal_lm_flops, exit_on, model_source, open_data, start, train
-from infra.tracking import run_status
+from infra.loop import Job, causal_lm_flops, exit_on, model_source, open_data, run_recipe, start, train
 
 
 @dataclass
@@ -76,5 +75,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    with run_status():
-        main()
+    run_recipe(main)
