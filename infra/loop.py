@@ -119,7 +119,7 @@ def run_recipe(main: Callable[[], None]) -> NoReturn:
 
     Why: after a clean finish (process group destroyed, files committed, MLflow run ended), a rank
     sometimes aborted in C++ static destructors at exit ("terminate called without an active
-    exception", SIGABRT, no Python frame left: about 1 launch in 20 here, with torch 2.13 and gloo),
+    exception", SIGABRT, no Python frame left: 1 launch in 20 to 40 here, with torch 2.13 and gloo),
     which turned a finished job into a failed one. So the process exits as Python would (other
     threads joined, atexit handlers run, streams flushed) and then skips the C++ teardown. A bug's
     exception propagates and exits the usual way, with its traceback.
