@@ -240,7 +240,7 @@ def train(accelerator: Accelerator, args: TrainingArguments, data_args: DataArgu
             data_checksums=job.data.preflight_hashes,
         )
         if args.preflight_only:
-            accelerator.end_training()  # destroys the process group: exiting with one alive can abort ("terminate called ...")
+            accelerator.end_training()  # the process group destroyed before exit, as on every agreed exit
             return
 
     # Checkpoints and tracking: resume the newest checkpoint and the same MLflow run

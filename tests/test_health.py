@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
 from infra.health import FAULTS_ENV, STRAGGLER_EXIT_CODE
-from tests.conftest import REPO, launch_command
+from tests.conftest import REPO, launch_command, run_launch
 from tests.test_pretrain import global_order, global_sequence, recipe_args, weights
 
 pytestmark = pytest.mark.multiprocess
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.multiprocess
 
 def run(args: list[str], tmp_path, faults: dict, num_processes: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
     cmd, env = launch_command("cpu.yaml", args, tmp_path, num_processes=num_processes)
-    return subprocess.run(cmd, cwd=REPO, env={**env, FAULTS_ENV: json.dumps(faults)}, capture_output=True, text=True, timeout=timeout)
+    return run_launch(cmd, {**env, FAULTS_ENV: json.dumps(faults)}, timeout)
 
 
 def manifest(out, step: int) -> dict:
@@ -133,7 +134,7 @@ def test_doctor_runs_every_check_and_refuses_damaged_data_or_an_unreachable_stor
     blocker.write_text("")
     cmd, env = launch_command("cpu.yaml", recipe_args(small_data, blocker / "out", 12), tmp_path, num_processes=1)
     env["MLFLOW_TRACKING_URI"] = uri = f"http://127.0.0.1:{free_port()}"
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_launch(cmd, env, timeout=300)
     assert proc.returncode == 1 and f"preflight failed: output_dir: output_dir='{blocker / 'out'}' is not writable" in proc.stderr
     assert f"; mlflow: MLFLOW_TRACKING_URI={uri} is unreachable" in proc.stderr
 
@@ -170,3 +171,30 @@ def test_the_round_trip_fails_when_load_state_does_not_restore_the_weights(tmp_p
     monkeypatch.setattr(accelerator, "load_state", lambda path: None)
     check, _, _ = round_trip(accelerator, model, tmp_path)
     assert not check.ok and "differ from those saved" in check.detail
+
+
+@pytest.mark.parametrize(
+    ("ending", "code", "message"),
+    [("", 0, None), ("raise SystemExit(75)", 75, None), ("raise SystemExit('data error: x')", 1, "data error: x")],
+)
+def test_a_recipe_exits_with_its_code_after_threads_and_atexit_handlers(tmp_path, ending, code, message):
+    """run_recipe skips the interpreter's teardown, but not what a normal exit does before it."""
+    script = f"""
+import atexit, threading, time
+from infra.loop import run_recipe
+atexit.register(lambda: print("atexit ran", flush=True))
+def late():
+    time.sleep(0.5)
+    open({str(tmp_path / "joined")!r}, "w").close()
+def main():
+    threading.Thread(target=late).start()
+    print("buffered, not flushed", end="")
+    {ending or "pass"}
+run_recipe(main)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert proc.stdout == "buffered, not flushedatexit ran\n"
+    assert (tmp_path / "joined").exists()  # the non-daemon thread was waited for
+    if message:
+        assert proc.stderr.strip().splitlines()[-1] == message
