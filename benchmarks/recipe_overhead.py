@@ -43,9 +43,10 @@ def bare_loop(data_dir: str, steps: int, batch_size: int) -> list[float]:
     from pretrain_clm import ModelArguments, build_model
 
     from infra.data import PackedDataset
+    from infra.precision import resolve
 
     cfg = yaml.safe_load(CONFIG.read_text())
-    accelerator = Accelerator(mixed_precision="bf16")
+    accelerator = Accelerator(mixed_precision=resolve("auto").value)  # what the recipe's default picks on this machine
     set_seed(cfg["seed"])
     dataset = PackedDataset(data_dir)
     model_args = ModelArguments(**{k: cfg[k] for k in ModelArguments.__dataclass_fields__ if k in cfg})

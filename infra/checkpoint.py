@@ -396,6 +396,11 @@ class CheckpointManager:
                 "ZeRO checkpoints are sharded per rank, so resume with the same world size and engine "
                 "(or convert it with DeepSpeed's ds_to_universal)"
             )
+        if was == DistributedType.DEEPSPEED.value and manifest.get("mixed_precision", acc.mixed_precision) != acc.mixed_precision:
+            return (
+                f"it was written in mixed precision {manifest['mixed_precision']} and this run is {acc.mixed_precision}: DeepSpeed "
+                f"keeps its optimizer state per precision, so resume with --mixed_precision {manifest['mixed_precision']}"
+            )
         return None
 
     def save(self, step: int, manifest: dict[str, Any], background: bool = False) -> Path:

@@ -48,7 +48,13 @@ class TrainingArguments:
     adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
     adam_beta2: float = field(default=0.95, metadata={"help": "AdamW beta2."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm (0 disables clipping)."})
-    mixed_precision: Literal["bf16", "fp16", "no"] = field(default="bf16", metadata={"help": "Autocast precision."})
+    mixed_precision: Literal["auto", "bf16", "fp16", "no"] = field(
+        default="auto",
+        metadata={
+            "help": "Autocast precision. auto: bf16 where the device computes it natively (bf16 GPUs; CPUs with AMX or AVX-512-BF16), "
+            "fp16 on older GPUs, else fp32 (no). The one place precision is set: a launcher config that asks for another is refused."
+        },
+    )
 
     logging_steps: int = field(default=10, metadata={"help": "Log metrics every N optimizer steps."})
     eval_steps: int = field(

@@ -9,6 +9,7 @@ DeepSpeed needs the gloo backend.
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
 from infra.config import TrainingArguments
+from infra.precision import Precision, PrecisionError, resolve
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,8 +35,12 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def build_accelerator(args: TrainingArguments, log_with: str | None = None) -> Accelerator:
-    """The recipe's Accelerator: mixed precision, accumulation, timeouts and CPU fixes applied."""
+def build_accelerator(args: TrainingArguments, log_with: str | None = None) -> tuple[Accelerator, Precision]:
+    """The recipe's Accelerator (mixed precision, accumulation, timeouts and CPU fixes applied) and the precision chosen."""
+    try:
+        precision = resolve(args.mixed_precision)
+    except PrecisionError as err:
+        raise LaunchError(str(err)) from None
     on_cpu = not torch.cuda.is_available()
     asked_fsdp_on_cpu = requested_engine() == DistributedType.FSDP and os.environ.get(FSDP_ON_CPU_ENV) == "1"
     fsdp_on_cpu = on_cpu and launched_world_size() > 1 and asked_fsdp_on_cpu
@@ -55,7 +61,7 @@ def build_accelerator(args: TrainingArguments, log_with: str | None = None) -> A
         os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     init = InitProcessGroupKwargs(backend="gloo", timeout=timeout) if gloo else InitProcessGroupKwargs(timeout=timeout)
     accelerator = Accelerator(
-        mixed_precision=args.mixed_precision,
+        mixed_precision=precision.value,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         log_with=log_with,
         step_scheduler_with_optimizer=False,  # the recipe steps the schedule once per optimizer step
@@ -64,8 +70,9 @@ def build_accelerator(args: TrainingArguments, log_with: str | None = None) -> A
     if fsdp_on_cpu:
         fsdp_over_cpu_processes(accelerator)
     check_world(accelerator)
+    check_same_precision(accelerator, args.mixed_precision)
     configure_deepspeed(accelerator, args)
-    return accelerator
+    return accelerator, precision
 
 
 def fsdp_over_cpu_processes(accelerator: Accelerator) -> None:
@@ -133,6 +140,19 @@ def check_world(accelerator: Accelerator) -> None:
             f"the launcher started {launched} processes but this one sees a group of {accelerator.num_processes}: "
             "they would each train and write as rank 0. Use an accelerate config from accelerate_configs/ "
             "(cpu.yaml on machines without a GPU)."
+        )
+
+
+def check_same_precision(accelerator: Accelerator, requested: str) -> None:
+    """Refuse a job whose ranks resolved `auto` differently (machines of different kinds in one job)."""
+    if accelerator.num_processes == 1:
+        return
+    chosen = gathered(accelerator, (accelerator.mixed_precision, socket.gethostname()))
+    if len({value for value, _ in chosen}) > 1:
+        hosts = ", ".join(sorted({f"{value} on {host}" for value, host in chosen}))
+        raise LaunchError(
+            f"mixed_precision={requested} resolved differently on the machines of this job ({hosts}): set it explicitly "
+            "(--mixed_precision bf16, fp16 or no)"
         )
 
 

@@ -1,26 +1,87 @@
-"""`accelerate launch` for batch systems: `python -m infra.launch <accelerate launch arguments>`.
+"""`accelerate launch` for schedulers: `python -m infra.launch <accelerate launch arguments>`.
 
-SLURM's `--signal=USR1@180` (and `scancel --signal=USR1`) signal every process of the job step:
-the training processes catch SIGUSR1, agree, save and exit 0 (infra.checkpoint.SaveSchedule), but
-the launcher in between, torch elastic's agent under `accelerate launch`, has no handler, and
-Python's default for SIGUSR1 ends it at once. This launcher ignores SIGUSR1 and is otherwise
-`accelerate launch`. The training processes inherit the ignore until the recipe installs its own
-handler, a second or so into start-up.
+What a scheduler does to a job, and what each launcher then reports:
+
+- SIGTERM to the launcher (Kubernetes, `scancel`, `scontrol requeue`, an admin): plain `accelerate launch` (torch
+  elastic's agent) passes it to the training processes, which save and exit 0, and then exits 1 itself
+  (`SignalException`), so the scheduler records a failure. This launcher forwards it to the training processes,
+  waits for them and exits with their code: 0 after a committed save.
+- SIGUSR1 (SLURM's `--signal=USR1@180` before the time limit, `scancel --signal=USR1`): plain `accelerate launch`
+  dies of it at once (Python's default for the signal). This launcher forwards it too.
+- A training process that fails: plain `accelerate launch` prints a traceback of its own after the recipe's one-line
+  error (`ChildFailedError`, or `CalledProcessError` for one process). This launcher prints one line naming the ranks
+  and exits with their exit code (75 for a straggler, say).
+
+Otherwise it is `accelerate launch`, with the same arguments. The training processes catch both signals themselves
+(infra.checkpoint.SaveSchedule): a signal that reaches a process twice (the scheduler signals every process, and this
+launcher forwards) counts once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import subprocess
 import sys
 
+FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
+# torchrun's --signals_to_handle (its default read from this variable): torch elastic's agent turns these signals into
+# an exception and stops the ranks; without SIGTERM in the list it leaves SIGTERM to the handler below
+ELASTIC_SIGNALS_ENV = "PET_SIGNALS_TO_HANDLE"
 
-def main() -> None:
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+def children(pid: int) -> list[int]:
+    """The direct child processes of `pid` (the training processes, under either accelerate launcher)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # the field after the state: ppid
+                found.append(int(entry))
+    return found
+
+
+def forward(signum: int, frame) -> None:
+    """Pass the signal on to the training processes and keep waiting for them (they save and exit)."""
+    ranks = children(os.getpid())
+    if not ranks:  # nothing started yet, so nothing to save: end as the signal would have
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    print(f"launch: {signal.Signals(signum).name} forwarded to the training processes; waiting for them to save and exit", flush=True)
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+            os.kill(pid, signum)
+
+
+def exit_code(code: int) -> int:
+    """A process's exit code as a shell reports it (128 + N for a death by signal N)."""
+    return 128 - code if code < 0 else code
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ[ELASTIC_SIGNALS_ENV] = "SIGINT,SIGHUP,SIGQUIT"
+    for signum in FORWARDED:
+        signal.signal(signum, forward)
     from accelerate.commands.accelerate_cli import main as accelerate
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    sys.argv = ["accelerate", "launch", *sys.argv[1:]]
-    accelerate()
+    sys.argv = ["accelerate", "launch", *(sys.argv[1:] if argv is None else argv)]
+    try:
+        accelerate()
+    except subprocess.CalledProcessError as err:  # one process (accelerate's simple launcher): it printed its own error
+        return exit_code(err.returncode)
+    except ChildFailedError as err:  # torch elastic: every rank that failed, with its code
+        codes = ", ".join(f"rank {rank} exited with code {exit_code(f.exitcode)}" for rank, f in sorted(err.failures.items()))
+        print(f"launch: {codes}", file=sys.stderr)
+        return exit_code(err.get_first_failure()[1].exitcode)  # the root cause's; the recipes' agreed exits share one code
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

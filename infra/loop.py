@@ -44,6 +44,7 @@ from infra.data import DataCursor, PackedDataset, ResumableLoader, SampleTrace, 
 from infra.distributed import LaunchError, all_ranks_ok, build_accelerator, ready_for_fsdp
 from infra.files import atomic_write_text, fsync_tree, publish_dir
 from infra.health import STRAGGLER_EXIT_CODE, Faults, Heartbeat, StragglerDetector, check_replicas_in_sync, nonfinite
+from infra.lock import claim
 from infra.metrics import Throughput, flops_per_token, peak_bf16_flops
 from infra.preflight import EtaCheck, kept_checkpoints, run_preflight
 from infra.tracking import MetricLogger, end_run, last_logged_step, log_model, run_name_for, run_status, run_tags, start_run, tracking_uri
@@ -144,15 +145,16 @@ def run_recipe(main: Callable[[], None]) -> NoReturn:
 
 
 def start(args: TrainingArguments) -> Accelerator:
-    """The Accelerator for the launcher's config (bf16 unless told otherwise), seeded.
+    """The Accelerator for the launcher's config, in the precision the recipe's mixed_precision gives here, seeded.
 
     A fatal signal (a segfault, an abort in C++ at exit) prints every thread's Python stack first.
     """
     faulthandler.enable(all_threads=True)
     try:
-        accelerator = build_accelerator(args, log_with=None if args.report_to == "none" else args.report_to)
+        accelerator, precision = build_accelerator(args, log_with=None if args.report_to == "none" else args.report_to)
     except LaunchError as err:
         raise SystemExit(f"launch error: {err}") from None
+    accelerator.print(precision)
     set_seed(args.seed)
     return accelerator
 
@@ -203,6 +205,14 @@ def model_source(name: str, hint: str) -> str:
     raise SystemExit(f"model error: model_name_or_path={name!r} is neither an existing path nor a hub id: {hint}")
 
 
+def load_pretrained(load: Callable[..., Any], name: str, hint: str, **kwargs) -> Any:
+    """`load(name, **kwargs)` (a `from_pretrained`), or a one-line exit naming the model: a name that is neither a path
+    nor a hub id, a folder without the model's files, a hub id that cannot be fetched."""
+    source = model_source(name, hint)
+    with exit_on((OSError, ValueError), "model error"):  # ValueError: a folder whose config.json names no model
+        return load(source, **kwargs)
+
+
 def to_device(batch: Batch, device: torch.device) -> Batch:
     if isinstance(batch, dict):
         return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
@@ -210,7 +220,7 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
 
 
 @contextlib.contextmanager
-def exit_on(error: type[Exception], prefix: str):
+def exit_on(error: type[Exception] | tuple[type[Exception], ...], prefix: str):
     """Turn `error` into a one-line exit: `with exit_on(CheckpointError, "checkpoint error"): ...`."""
     try:
         yield
@@ -220,6 +230,7 @@ def exit_on(error: type[Exception], prefix: str):
 
 def train(accelerator: Accelerator, args: TrainingArguments, data_args: DataArguments, config: dict, job: Job) -> None:
     """Prepare, preflight, resume, train to max_steps (or a preemption), save, export. Called on every rank."""
+    claim(accelerator, args.output_dir)  # one job per output_dir: before anything is written, held to the end
     held_out = job.data.held_out
     ready_for_fsdp(accelerator, job.model)  # before the optimizer takes the parameters
     optimizer = build_optimizer(job.model, args)

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
@@ -278,7 +279,8 @@ def run_tags(accelerator: Accelerator, recipe: str, resumed_from_step: int) -> d
         "distributed_type": accelerator.distributed_type.value,
         "world_size": str(world),
         "num_nodes": str(max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", world)))),
-        "mixed_precision": str(accelerator.mixed_precision),
+        "mixed_precision": str(accelerator.mixed_precision),  # as resolved: the param TrainingArguments.mixed_precision says what was asked
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # AVX2 CPUs run fp32 under auto: bf16 would be emulated
         "git_commit": commit or "unknown",
         "git_dirty": str(dirty).lower() if dirty is not None else "unknown",
         "host": socket.gethostname(),

@@ -23,7 +23,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from infra.config import DataArguments, TrainingArguments, check_data_and_training, parse_config, resolved
 from infra.data.tasks import minilm_dir
-from infra.loop import Job, exit_on, model_source, open_data, run_recipe, start, train
+from infra.loop import Job, load_pretrained, open_data, run_recipe, start, train
 from infra.metrics import evaluate_classifier
 
 
@@ -60,16 +60,17 @@ def main(argv: list[str] | None = None) -> None:
     labels = data.dataset.index.labels
     accelerator = start(args)
 
-    source = model_source(model_args.model_name_or_path or minilm_dir(), "pass a path or hub id of an encoder")
+    source = model_args.model_name_or_path or minilm_dir()
     extra = {} if model_args.classifier_dropout is None else {"classifier_dropout": model_args.classifier_dropout}
-    with exit_on(OSError, "model error"):
-        model = AutoModelForSequenceClassification.from_pretrained(
-            source,
-            num_labels=len(labels),
-            id2label=dict(enumerate(labels)),
-            label2id={name: i for i, name in enumerate(labels)},
-            **extra,
-        )
+    model = load_pretrained(
+        AutoModelForSequenceClassification.from_pretrained,
+        source,
+        "pass a path or hub id of an encoder",
+        num_labels=len(labels),
+        id2label=dict(enumerate(labels)),
+        label2id={name: i for i, name in enumerate(labels)},
+        **extra,
+    )
     if model.config.vocab_size < data.dataset.index.vocab_size or model.config.pad_token_id != tokenizer.pad_token_id:
         raise SystemExit(
             f"data error: {data_args.data_dir} was tokenized with {data.dataset.index.tokenizer!r} (vocab {data.dataset.index.vocab_size}, "

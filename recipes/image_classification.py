@@ -22,7 +22,7 @@ import torch
 from transformers import AutoConfig, AutoModelForImageClassification, ViTImageProcessor
 
 from infra.config import DataArguments, TrainingArguments, check_data_and_training, parse_config, require, resolved
-from infra.loop import Job, exit_on, model_source, open_data, run_recipe, start, train
+from infra.loop import Job, load_pretrained, open_data, run_recipe, start, train
 from infra.metrics import evaluate_classifier
 
 
@@ -49,10 +49,10 @@ class ModelArguments:
 def build_model(args: ModelArguments, image_size: int, num_channels: int, labels: list[str]):
     names = {"id2label": dict(enumerate(labels)), "label2id": {name: i for i, name in enumerate(labels)}}
     if args.model_name_or_path:
-        source = model_source(args.model_name_or_path, "pass a path or hub id of an image model")
-        with exit_on(OSError, "model error"):
-            model = AutoModelForImageClassification.from_pretrained(source, num_labels=len(labels), ignore_mismatched_sizes=True, **names)
-        check_fits_images(model, source, image_size, num_channels)
+        hint = "pass a path or hub id of an image model"
+        load = AutoModelForImageClassification.from_pretrained
+        model = load_pretrained(load, args.model_name_or_path, hint, num_labels=len(labels), ignore_mismatched_sizes=True, **names)
+        check_fits_images(model, args.model_name_or_path, image_size, num_channels)
         return model
     if args.architecture == "vit":
         if image_size % args.patch_size:

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from infra.config import DataArguments, TrainingArguments, check_data_and_training, parse_config, require, resolved
-from infra.loop import Job, causal_lm_flops, open_data, run_recipe, start, train
+from infra.loop import Job, causal_lm_flops, load_pretrained, open_data, run_recipe, start, train
 
 
 @dataclass
@@ -48,7 +48,7 @@ class ModelArguments:
 
 def build_model(args: ModelArguments, tokenizer, seq_len: int):
     if args.model_name_or_path:
-        return AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
+        return load_pretrained(AutoModelForCausalLM.from_pretrained, args.model_name_or_path, "pass a path or hub id of a causal LM")
     config = AutoConfig.for_model(
         "llama",
         vocab_size=len(tokenizer),

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from infra.config import DataArguments, TrainingArguments, check_data_and_training, parse_config, resolved
-from infra.loop import Job, causal_lm_flops, exit_on, model_source, open_data, run_recipe, start, train
+from infra.loop import Job, causal_lm_flops, load_pretrained, open_data, run_recipe, start, train
 
 
 @dataclass
@@ -51,13 +51,12 @@ def main(argv: list[str] | None = None) -> None:
         (ModelArguments, DataArguments, TrainingArguments), argv, check=lambda m, d, a: check_data_and_training(d, a)
     )
     config = resolved(model_args, data_args, args)
-    source = model_source(model_args.model_name_or_path, "run `make train` first (it exports runs/pretrain_tiny/final)")
     data = open_data(data_args, args, ("input_ids", "labels"), "python -m infra.data.tasks --task sft")
     tokenizer = AutoTokenizer.from_pretrained(data.dataset.tokenizer_dir)  # the model's, with the chat template the data was made with
     accelerator = start(args)
 
-    with exit_on(OSError, "model error"):
-        model = AutoModelForCausalLM.from_pretrained(source)
+    hint = "run `make train` first (it exports runs/pretrain_tiny/final)"
+    model = load_pretrained(AutoModelForCausalLM.from_pretrained, model_args.model_name_or_path, hint)
 
     job = Job(
         name="sft_clm",

@@ -64,6 +64,8 @@ def recipe_args(data: Path | str, out: Path, max_steps: int, *extra: str) -> lis
         "--trace_samples",
         "--eval_samples",  # the global-order checks below cover the whole data set
         "0",
+        "--mixed_precision",  # bf16 proven on every CPU, emulated or not (auto gives fp32 where it is emulated)
+        "bf16",
         *extra,
     ]
 
@@ -304,18 +306,28 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(straight, sm
     assert_same_weights(straight[0] / "out", out)
 
 
-def test_sigterm_saves_exits_zero_and_resumes_exactly(small_data, tmp_path):
-    import psutil
-
+def test_sigterm_to_the_launcher_saves_exits_zero_and_resumes_exactly(small_data, tmp_path):
+    """What Kubernetes, `scancel` and `scontrol requeue` do: SIGTERM to the launcher. infra.launch forwards it to the
+    ranks and exits with their code, 0 after the save (plain `accelerate launch` exits 1 there). While it runs, a
+    second job on its output_dir is refused."""
     long_run = ["--warmup_steps", "100000"]  # the schedule then does not depend on max_steps
     a, b = tmp_path / "a", tmp_path / "b"
-    proc = start(recipe_args(small_data, a / "out", 100000, *long_run), a)
-    wait_for(lambda: (a / "out" / "checkpoints" / "step_00000004" / "manifest.json").exists(), proc)
-    workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "pretrain_clm.py" in " ".join(p.cmdline())]
-    assert len(workers) == 2
-    workers[-1].send_signal(signal.SIGTERM)  # one rank only: the other learns of it at the next step
-    assert proc.wait(timeout=120) == 0
-    assert "preempted (SIGTERM/SIGUSR1): saved step" in (a / "launch0.log").read_text()
+    proc = start(recipe_args(small_data, a / "out", 100000, *long_run), a, launcher=(str(BIN / "python"), "-m", "infra.launch"))
+    try:
+        wait_for(lambda: (a / "out" / "checkpoints" / "step_00000004" / "manifest.json").exists(), proc)
+        # a second job on the same output_dir (a double submit) stops in one line naming the first, and writes nothing
+        listing = sorted(p.name for p in (a / "out").iterdir())
+        twice = launch("cpu.yaml", recipe_args(small_data, a / "out", 100000, *long_run), tmp_path / "twice")
+        assert twice.returncode == 1 and "output_dir error: " in twice.stderr and "is in use by another job (pid " in twice.stderr
+        assert "starting fresh" not in twice.stdout and "resumed" not in twice.stdout
+        assert sorted(p.name for p in (a / "out").iterdir()) == listing and proc.poll() is None
+        proc.send_signal(signal.SIGTERM)  # the launcher only: the ranks run in sessions of their own
+        assert proc.wait(timeout=120) == 0, (a / "launch0.log").read_text()[-3000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = (a / "launch0.log").read_text()
+    assert "launch: SIGTERM forwarded to the training processes" in log and "preempted (SIGTERM/SIGUSR1): saved step" in log
     saved = int(sorted((a / "out" / "checkpoints").glob("step_*"))[-1].name[len("step_") :])
     assert saved > 4 and not (a / "out" / "final").exists()
 
@@ -334,8 +346,8 @@ def test_sigterm_saves_exits_zero_and_resumes_exactly(small_data, tmp_path):
 
 
 def test_a_signal_to_every_process_of_the_job_saves_and_exits_zero(small_data, tmp_path):
-    """SLURM's `--signal=USR1@T` signals every process of the job step, the launcher too: through infra.launch the
-    launcher lets it pass (Python's default would end it at once), and the training processes save and exit 0."""
+    """SLURM's `--signal=USR1@T` signals every process of the job step, the launcher too: infra.launch forwards it
+    (Python's default would end it at once), each rank counts the signal it got twice once, and all save and exit 0."""
     out = tmp_path / "out"
     args = recipe_args(small_data, out, 100000, "--warmup_steps", "100000", "--report_to", "none")
     import psutil

@@ -143,7 +143,9 @@ def image_classification_inputs(tmp_path_factory) -> tuple[Path, list[str]]:
 @pytest.fixture(scope="session")
 def pretrain_clm_inputs(small_data) -> tuple[Path, list[str]]:
     """The pretraining recipe's own launch tests are in test_pretrain.py; here it joins the DeepSpeed matrix."""
-    return small_data, ["--eval_samples", "16", "--hidden_size", "32", "--intermediate_size", "64", "--attention_dropout", "0.1"]
+    # bf16 forced: DeepSpeed's bf16 path proven on every CPU (auto gives fp32 where bf16 is emulated)
+    extra = ["--eval_samples", "16", "--hidden_size", "32", "--intermediate_size", "64", "--attention_dropout", "0.1"]
+    return small_data, [*extra, "--mixed_precision", "bf16"]
 
 
 def recipe_args(recipe: str, data: Path, out: Path, max_steps: int, extra: list[str]) -> list[str]:
@@ -213,6 +215,37 @@ def straight_then_resumed(recipe: str, config: str, inputs, tmp_path: Path, extr
         assert {name for name, _ in exported.named_parameters()} <= merged.keys() <= loaded.keys()
         assert all(torch.equal(loaded[k].to(v.dtype), v) for k, v in merged.items())
     return a, b
+
+
+@pytest.mark.parametrize(
+    ("recipe", "model"),
+    [
+        ("pretrain_clm", "/no/such/path"),
+        ("sft_clm", "empty"),
+        ("finetune_classification", "no such model"),
+        ("image_classification", "empty"),
+    ],
+)
+def test_a_model_that_cannot_be_loaded_stops_the_recipe_in_one_line(recipe, model, request, tmp_path):
+    """A path that does not exist, a name that is no hub id, a folder without a model: one line, exit 1, nothing written."""
+    import subprocess
+    import sys
+
+    data, extra = request.getfixturevalue(f"{recipe}_inputs")
+    if model == "empty":
+        (tmp_path / "empty").mkdir()
+        model = str(tmp_path / "empty")
+    out = tmp_path / "out"
+    args = [*recipe_args(recipe, data, out, STEPS, extra), "--model_name_or_path", model, "--report_to", "none"]
+    env = {"PATH": "", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "recipes" / f"{recipe}.py"), *args], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("model error: "), proc.stderr[-2000:]
+    assert ("is neither an existing path nor a hub id" in last) == (model != str(tmp_path / "empty")), last
+    assert "Traceback" not in proc.stderr and not out.exists()
 
 
 @pytest.mark.multiprocess
