@@ -581,7 +581,7 @@ class SaveSchedule:
     """When to save: every `save_steps`, every `minutes` of wall clock, and on a preemption signal.
 
     SIGTERM and SIGUSR1 (SLURM's `--signal=USR1@120`) only set a flag; `check()` runs one small
-    all-reduce per step so that every rank learns of a signal that reached any of them, of rank 0's
+    all-reduce per step so that every rank learns of a signal that reached any of them (and which), of rank 0's
     clock decision, and of the caller's flags (a non-finite loss), at the same step. After a signal the process has `grace_seconds` to
     save and exit before a watchdog ends it (the commit is atomic: a cut save is never loaded).
     With `minutes="auto"` the interval is Young/Daly's sqrt(2 * C * MTBF), C the last measured
@@ -596,7 +596,8 @@ class SaveSchedule:
         self.interval = 30 * 60.0 if self.auto else float(minutes) * 60
         self.mtbf = mtbf_hours * 3600
         self.grace = grace_seconds
-        self.signal: int | None = None
+        self.signal: int | None = None  # this rank's
+        self.agreed_signal: str | None = None  # any rank's, once check() has seen it: SIGTERM or SIGUSR1
         self.last_save = time.monotonic()
         self._watchdog = threading.Timer(grace_seconds, self._out_of_time)
         self._watchdog.daemon = True
@@ -626,12 +627,13 @@ class SaveSchedule:
         """
         due = self.interval > 0 and self.accelerator.is_main_process and time.monotonic() - self.last_save >= self.interval
         device = self.accelerator.device
-        agreed = torch.cat(
-            [torch.tensor([float(self.signal is not None), float(due)], device=device), *(f.float().reshape(1) for f in flags)]
-        )
+        agreed = torch.cat([torch.tensor([float(self.signal or 0), float(due)], device=device), *(f.float().reshape(1) for f in flags)])
         if self.accelerator.num_processes > 1:
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
-        preempted, due, *rest = (v > 0 for v in agreed.tolist())
+        values = agreed.tolist()
+        if values[0]:  # the same on every rank: SIGTERM (15) over SIGUSR1 (10) when ranks got different ones
+            self.agreed_signal = signal.Signals(int(values[0])).name
+        preempted, due, *rest = (v > 0 for v in values)
         by_steps = self.save_steps > 0 and step % self.save_steps == 0
         return (preempted or due or by_steps, preempted, *rest)
 

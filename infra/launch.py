@@ -46,6 +46,9 @@ def children(pid: int) -> list[int]:
     return found
 
 
+forwarded: set[int] = set()
+
+
 def forward(signum: int, frame) -> None:
     """Pass the signal on to the training processes and keep waiting for them (they save and exit)."""
     ranks = children(os.getpid())
@@ -53,7 +56,9 @@ def forward(signum: int, frame) -> None:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
         return
-    print(f"launch: {signal.Signals(signum).name} forwarded to the training processes; waiting for them to save and exit", flush=True)
+    if signum not in forwarded:  # a scheduler may signal the launcher twice (directly, and through srun)
+        forwarded.add(signum)
+        print(f"launch: {signal.Signals(signum).name} forwarded to the training processes; waiting for them to save and exit", flush=True)
     for pid in ranks:
         with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
             os.kill(pid, signum)

@@ -50,6 +50,10 @@ from infra.preflight import EtaCheck, kept_checkpoints, run_preflight
 from infra.tracking import MetricLogger, end_run, last_logged_step, log_model, run_name_for, run_status, run_tags, start_run, tracking_uri
 
 Batch = torch.Tensor | dict[str, torch.Tensor]
+# Why the last launch stopped before max_steps, for batch scripts (infra/slurm/pretrain.sbatch): {"step", "reason":
+# "preempted" with the "signal" (SIGUSR1: the time limit is near, requeue; SIGTERM: the scheduler decides), or
+# "straggler" with the slow "hosts" (requeue without them). Removed when a launch starts.
+STOP_RECORD = "stopped.json"
 
 
 @dataclass
@@ -231,6 +235,8 @@ def exit_on(error: type[Exception] | tuple[type[Exception], ...], prefix: str):
 def train(accelerator: Accelerator, args: TrainingArguments, data_args: DataArguments, config: dict, job: Job) -> None:
     """Prepare, preflight, resume, train to max_steps (or a preemption), save, export. Called on every rank."""
     claim(accelerator, args.output_dir)  # one job per output_dir: before anything is written, held to the end
+    if accelerator.is_main_process:
+        (Path(args.output_dir) / STOP_RECORD).unlink(missing_ok=True)  # the last launch's; this one has not stopped
     held_out = job.data.held_out
     ready_for_fsdp(accelerator, job.model)  # before the optimizer takes the parameters
     optimizer = build_optimizer(job.model, args)
@@ -461,25 +467,25 @@ def train(accelerator: Accelerator, args: TrainingArguments, data_args: DataArgu
     bar.close()
     if trace:
         trace.close()
-    if preempted:
-        accelerator.print(f"preempted (SIGTERM/SIGUSR1): saved step {state.step}; the next launch resumes from it")
+    if preempted or straggling:  # saved: tell the batch script whether to requeue (STOP_RECORD), end the run KILLED
+        if preempted:
+            record = {"reason": "preempted", "signal": schedule.agreed_signal}
+            message = f"preempted ({schedule.agreed_signal}): saved step {state.step}; the next launch resumes from it"
+        else:
+            record = {"reason": "straggler", "hosts": sorted({stragglers.hosts[rank] for rank in slow})}
+            message = (
+                f"straggler: saved step {state.step}; exiting with code {STRAGGLER_EXIT_CODE} so the job restarts without the slow rank"
+            )
+        if accelerator.is_main_process:
+            atomic_write_text(Path(args.output_dir) / STOP_RECORD, json.dumps({"step": state.step, **record}))
+        accelerator.print(message)
         tracker.close()
         end_run("KILLED")
         accelerator.end_training()
         schedule.close()  # the grace watchdog stays armed until the process group is down
+        if straggling:
+            raise SystemExit(STRAGGLER_EXIT_CODE)
         return
-    if straggling:
-        if accelerator.is_main_process:  # for the batch script: requeue without these hosts
-            hosts = sorted({stragglers.hosts[rank] for rank in slow})
-            atomic_write_text(Path(args.output_dir) / "straggler.json", json.dumps({"step": state.step, "hosts": hosts}))
-        accelerator.print(
-            f"straggler: saved step {state.step}; exiting with code {STRAGGLER_EXIT_CODE} so the job restarts without the slow rank"
-        )
-        tracker.close()
-        end_run("KILLED")
-        accelerator.end_training()
-        schedule.close()
-        raise SystemExit(STRAGGLER_EXIT_CODE)
     schedule.close()
     check_replicas_in_sync(accelerator, model)
 

@@ -260,8 +260,9 @@ def test_schedule_saves_on_steps_on_the_clock_and_on_a_signal(accelerator):
     auto.close()
     for sig in SaveSchedule.SIGNALS:
         schedule = SaveSchedule(accelerator, save_steps=0, minutes=0, mtbf_hours=24, grace_seconds=60)
+        assert schedule.agreed_signal is None
         os.kill(os.getpid(), sig)
-        assert schedule.check(7) == (True, True)
+        assert schedule.check(7) == (True, True) and schedule.agreed_signal == sig.name  # the batch script requeues on SIGUSR1
         schedule.close()  # also stops the watchdog that would end this process after the grace period
     assert {sig: signal.getsignal(sig) for sig in SaveSchedule.SIGNALS} == before
 

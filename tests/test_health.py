@@ -63,7 +63,8 @@ def test_a_slow_rank_is_named_then_the_job_saves_and_exits_with_its_code(small_d
     assert f"exitcode  : {STRAGGLER_EXIT_CODE}" in proc.stdout + proc.stderr  # every rank's code, as torch elastic reports it
     assert "straggler: rank 1 on" in proc.stdout and "for 2 windows of 2 steps" in proc.stdout and "): compute" in proc.stdout
     assert manifest(out, 4)["step"] == 4 and not (out / "final").exists()  # saved at the step it was decided, then stopped
-    assert json.loads((out / "straggler.json").read_text()) == {"step": 4, "hosts": [socket.gethostname()]}  # for the batch script
+    record = json.loads((out / "stopped.json").read_text())  # for the batch script
+    assert record == {"step": 4, "reason": "straggler", "hosts": [socket.gethostname()]}
 
     import mlflow
 

@@ -1,0 +1,94 @@
+"""infra/slurm/pretrain.sbatch under a real one-node SLURM (tests/slurm/one_node.sh): a CPU-only job that completes,
+and one that gets SIGUSR1 mid-run, saves, requeues itself, resumes and ends with the weights of an uninterrupted run.
+
+SLURM is started where it can be (root, with slurmctld installed or apt-get to install it); elsewhere these tests are
+skipped with the reason. A requeued job waits about 2 minutes before it may start again, so they are slow.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import REPO
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+
+CPU_JOB = ["--nodes", "1", "--gpus-per-node=0", "--cpus-per-task=2"]  # the README's form for a CPU-only cluster
+TRAIN = ["--max_steps", "40", "--hidden_size", "64", "--intermediate_size", "128", "--save_steps", "10", "--eval_samples", "0"]
+TRAIN += ["--report_to", "none", "--mixed_precision", "no"]
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    if os.geteuid() != 0:
+        pytest.skip("starting SLURM needs root")
+    if not shutil.which("slurmctld") and not shutil.which("apt-get"):
+        pytest.skip("no SLURM installed and no apt-get to install it")
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("the jobs ask for 2 CPUs")
+    state = tmp_path_factory.mktemp("slurm")
+    up = subprocess.run(
+        ["bash", str(REPO / "tests" / "slurm" / "one_node.sh"), "up", str(state)], capture_output=True, text=True, timeout=600
+    )
+    if up.returncode != 0:
+        pytest.skip(f"SLURM did not start: {up.stderr.strip()[-500:]}")
+    yield
+    subprocess.run(["bash", str(REPO / "tests" / "slurm" / "one_node.sh"), "down", str(state)], capture_output=True, timeout=60)
+
+
+def submit(data: Path, out: Path, log: Path, *extra: str) -> str:
+    cmd = [
+        "sbatch",
+        "--parsable",
+        *CPU_JOB,
+        f"--output={log}",
+        "--job-name",
+        out.parent.name,
+        str(REPO / "infra" / "slurm" / "pretrain.sbatch"),
+    ]
+    env = {**os.environ, "OUTPUT_DIR": str(out)}
+    proc = subprocess.run([*cmd, "--data_dir", str(data), *TRAIN, *extra], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    return proc.stdout.strip().split(";")[0]
+
+
+def job(job_id: str) -> dict[str, str]:
+    text = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, check=True).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", text))
+
+
+def wait_for(condition, what: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(1)
+
+
+def test_a_cpu_job_completes_and_a_usr1_mid_run_requeues_to_the_same_weights(slurm, small_data, tmp_path):
+    straight_out, straight_log = tmp_path / "straight" / "out", tmp_path / "straight.log"
+    straight = submit(small_data, straight_out, straight_log)
+    wait_for(lambda: job(straight)["JobState"] in ("COMPLETED", "FAILED", "CANCELLED"), "the first job", 300)
+    assert job(straight)["JobState"] == "COMPLETED" and job(straight)["ExitCode"] == "0:0", straight_log.read_text()[-3000:]
+    assert "1 x 2 processes" in straight_log.read_text()  # one training process per allocated CPU
+
+    out, log = tmp_path / "preempted" / "out", tmp_path / "preempted.log"
+    preempted = submit(small_data, out, log, "--logging_steps", "40")
+    wait_for(lambda: (out / "checkpoints" / "step_00000010" / "manifest.json").exists(), "the first checkpoint", 300)
+    subprocess.run(["scancel", "--full", "--signal=USR1", preempted], check=True)  # the batch shell too: it must survive
+    wait_for(lambda: "requeued" in log.read_text(), "the requeue", 120)
+    assert int(job(preempted)["Restarts"]) == 1
+    wait_for(lambda: job(preempted)["JobState"] in ("COMPLETED", "FAILED", "CANCELLED"), "the requeued job", 420)
+    text = log.read_text()
+    assert job(preempted)["JobState"] == "COMPLETED" and job(preempted)["ExitCode"] == "0:0", text[-3000:]
+    assert "preempted (SIGUSR1): saved step" in text and "resumed at step" in text
+    assert re.findall(r"training step exited with (\d+)", text) == ["0", "0"]  # both starts, every step exited 0
+    a, b = load_file(straight_out / "final" / "model.safetensors"), load_file(out / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
