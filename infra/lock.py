@@ -93,8 +93,8 @@ def claim(accelerator, output_dir: str | os.PathLike) -> None:
             lock = OutputDirLock(output_dir).acquire()
         except OutputDirBusy as err:
             problem = str(err)
-        except OSError as err:
-            problem = f"cannot create {Path(output_dir) / LOCK_NAME} ({err.strerror or err})"
+        except OSError:  # an output_dir nobody can write needs no lock: the preflight (or the first save) names it
+            pass
         if lock is not None and not lock.supported:
             print(f"warning: the filesystem of {output_dir} has no locks: nothing stops a second job from writing there too", flush=True)
     if lock is not None:

@@ -236,7 +236,8 @@ def train(accelerator: Accelerator, args: TrainingArguments, data_args: DataArgu
     """Prepare, preflight, resume, train to max_steps (or a preemption), save, export. Called on every rank."""
     claim(accelerator, args.output_dir)  # one job per output_dir: before anything is written, held to the end
     if accelerator.is_main_process:
-        (Path(args.output_dir) / STOP_RECORD).unlink(missing_ok=True)  # the last launch's; this one has not stopped
+        with contextlib.suppress(OSError):  # the last launch's record: this one has not stopped (an unwritable dir: the preflight)
+            (Path(args.output_dir) / STOP_RECORD).unlink()
     held_out = job.data.held_out
     ready_for_fsdp(accelerator, job.model)  # before the optimizer takes the parameters
     optimizer = build_optimizer(job.model, args)

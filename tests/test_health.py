@@ -119,7 +119,7 @@ def test_doctor_runs_every_check_and_refuses_damaged_data_or_an_unreachable_stor
     assert proc.returncode == 0, proc.stderr[-3000:]
     for check in ("accelerators  2 ranks", "collective    all-reduce across 2 ranks", "sizes and sha256 verified", "weights identical"):
         assert check in proc.stdout
-    assert sorted(p.name for p in out.iterdir()) == []  # the round trip cleans up; nothing trained, no run
+    assert sorted(p.name for p in out.iterdir()) == ["job.lock"]  # the round trip cleans up; nothing trained, no run
 
     damaged = tmp_path / "damaged"
     shutil.copytree(small_data, damaged)

@@ -256,6 +256,20 @@ def wait_for(condition, proc: subprocess.Popen, timeout: float = 300) -> None:
         time.sleep(0.05)
 
 
+def kill_all(proc: subprocess.Popen) -> None:
+    """kill -9 of the launcher and every training process, as when a machine dies (torch elastic starts the ranks in
+    sessions of their own: killing the launcher's process group would leave them running, holding the output_dir)."""
+    import psutil
+
+    launcher = psutil.Process(proc.pid)
+    every = [launcher, *launcher.children(recursive=True)]
+    for p in every:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    proc.wait()
+    psutil.wait_procs(every, timeout=30)
+
+
 def test_killed_launches_resume_to_the_same_weights(straight, small_data, tmp_path):
     """kill -9 of the whole launch, once inside a save and once between saves; relaunching ends as the straight run."""
     out, ckpts = tmp_path / "out", tmp_path / "out" / "checkpoints"
@@ -264,14 +278,12 @@ def test_killed_launches_resume_to_the_same_weights(straight, small_data, tmp_pa
     paused = start(args, tmp_path, **{PAUSE_ENV: "60"})  # every save stops between save_state and its commit
     wait_for(lambda: (ckpts / ".step_00000004.partial" / "model.safetensors").exists(), paused)
     time.sleep(0.5)
-    os.killpg(paused.pid, signal.SIGKILL)
-    paused.wait()
+    kill_all(paused)
     assert not list(ckpts.glob("step_*"))  # the cut save was never committed
 
     second = start(args, tmp_path)
     wait_for(lambda: (ckpts / "step_00000008" / "manifest.json").exists(), second)
-    os.killpg(second.pid, signal.SIGKILL)
-    second.wait()
+    kill_all(second)
 
     last = launch("cpu.yaml", args, tmp_path)
     assert last.returncode == 0 and "resumed at step" in last.stdout
