@@ -82,7 +82,8 @@ def fsdp_over_cpu_processes(accelerator: Accelerator) -> None:
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     plugin = FullyShardedDataParallelPlugin()  # from the launcher's FSDP_* variables, as accelerate builds it
-    plugin.set_mixed_precision(accelerator.mixed_precision)
+    if accelerator.mixed_precision != "no":  # as AcceleratorState does: the plugin knows no "no" (fp32 is its default)
+        plugin.set_mixed_precision(accelerator.mixed_precision)
     accelerator.state.fsdp_plugin = plugin
     # as AcceleratorState sets it for accelerators (each new AcceleratorState copies PartialState's)
     accelerator.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
