@@ -48,7 +48,7 @@ from accelerate.utils import DistributedType, broadcast_object_list
 from infra.config import to_json
 from infra.distributed import all_ranks_ok, gathered
 from infra.environment import git_state, package_versions
-from infra.files import atomic_write_text, fsync_dir, fsync_file
+from infra.files import atomic_write_text, drop_cached, fsync_dir, fsync_file
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +222,8 @@ def seal(folder: Path, rels: list[str] | None = None) -> dict[str, dict[str, Any
     tasks = [(fsync_file, p) for p in paths] + [(digest_file, p) for p in paths]
     with ThreadPoolExecutor(max_workers=max(1, min(len(tasks), 64))) as pool:
         sums = list(pool.map(lambda task: task[0](task[1]), tasks))[len(paths) :]
+    for p in paths:  # on disk now: out of the page cache (see drop_cached)
+        drop_cached(p)
     return {rel: {"size": p.stat().st_size, "xxh3_64": c} for rel, p, c in zip(rels, paths, sums, strict=True)}
 
 
@@ -376,7 +378,10 @@ class CheckpointManager:
                 mismatch = checking.problem()
             except Exception as err:
                 mismatch = f"checksumming failed ({err})"
-        outcomes = gathered(acc, (mismatch, error))
+        outcomes = gathered(acc, (mismatch, error))  # every rank has loaded: the files may leave the page cache
+        if checking is not None:
+            for rel in mine:
+                drop_cached(path / rel)
         return next((m for m, _ in outcomes if m), None) or next((e for _, e in outcomes if e), None)
 
     def _on_main(self, fn):

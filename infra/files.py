@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -11,6 +12,21 @@ from pathlib import Path
 def fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
+
+
+def drop_cached(path: Path) -> None:
+    """Let the kernel drop `path`'s pages from the page cache (POSIX_FADV_DONTNEED), once they are on disk.
+
+    For checkpoint files after their commit or their verified load: nothing reads them again soon, and
+    cached they push the training data out of the cache and, measured on a 2-core VM, slow the next
+    save's writes (save_state 1.22 s with the previous checkpoint cached, 0.82 s without). Best effort.
+    """
+    with contextlib.suppress(OSError, AttributeError):  # AttributeError: no posix_fadvise (macOS)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def fsync_dir(path: Path) -> None:
