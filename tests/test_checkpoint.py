@@ -29,6 +29,7 @@ from infra.checkpoint import (
     _lowest_priority,
     problem,
     read_manifest,
+    seal,
     share,
 )
 from infra.files import atomic_write_text
@@ -335,3 +336,34 @@ def test_a_published_folder_replaces_the_old_one_whole(tmp_path):
     publish_dir(work, out)
     assert sorted(p.name for p in out.iterdir()) == ["a", "b"] and (out / "a").read_text() == "final.partial"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
+def cached_pages(path: Path) -> int:
+    """How many of the file's pages are in the page cache (mincore over a shared read-only mapping of it)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        vector = ctypes.create_string_buffer((size + mmap.PAGESIZE - 1) // mmap.PAGESIZE)
+        assert libc.mincore(address, size, vector) == 0, os.strerror(ctypes.get_errno())
+        libc.munmap(address, size)
+    finally:
+        os.close(fd)
+    return sum(b & 1 for b in vector.raw)
+
+
+def test_a_sealed_checkpoint_leaves_the_page_cache(tmp_path):
+    """Once fsynced and checksummed its pages are dropped: they would push training data out, and slow the next save."""
+    data = tmp_path / "model.safetensors"
+    data.write_bytes(os.urandom(8 << 20))
+    assert cached_pages(data) > 0  # just written: in the cache
+    assert seal(tmp_path)["model.safetensors"]["size"] == 8 << 20
+    assert cached_pages(data) == 0
