@@ -1,4 +1,4 @@
-"""The data pipeline against its anchors, measured side by side in one run (see BASELINES.md).
+"""The data pipeline against its anchors, measured side by side in one run.
 
     make bench                                  # or: python benchmarks/data_pipeline.py [--samples 200000]
 

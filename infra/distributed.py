@@ -2,7 +2,7 @@
 
 `accelerate launch` decides the strategy (DDP, DeepSpeed ZeRO, FSDP) from its config file; the
 recipe code is identical for all of them. Two things need help on machines without a GPU
-(see PITFALLS.md): the multi-GPU launcher does not tell its CPU processes to form a group, and
+(measured on CPU-only machines): the multi-GPU launcher does not tell its CPU processes to form a group, and
 DeepSpeed needs the gloo backend.
 """
 
@@ -57,7 +57,7 @@ def build_accelerator(args: TrainingArguments, log_with: str | None = None) -> t
     gloo = on_cpu and launched_world_size() > 1  # DeepSpeed on CPU needs it; a single process needs no group
     if gloo:
         # connect gloo pairs on first use: a group restarted by torch elastic (--max_restarts) otherwise often hangs
-        # forming its full mesh (PITFALLS.md: 14 of 19 restarts ran; with lazy init, see tests/test_pretrain.py)
+        # forming its full mesh (14 of 19 restarts ran without it; with lazy init, see tests/test_pretrain.py)
         os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     init = InitProcessGroupKwargs(backend="gloo", timeout=timeout) if gloo else InitProcessGroupKwargs(timeout=timeout)
     accelerator = Accelerator(

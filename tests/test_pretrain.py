@@ -86,7 +86,7 @@ def assert_same_weights(a: Path, b: Path) -> None:
 
 
 def test_refuses_processes_that_do_not_form_a_group(tmp_path):
-    """PITFALLS: the multi-GPU launcher on CPU starts processes that each believe they are alone."""
+    """The multi-GPU launcher on CPU starts processes that each believe they are alone (a gather returned 1 row)."""
     script = tmp_path / "alone.py"
     script.write_text("from accelerate import Accelerator\nfrom infra.distributed import check_world\ncheck_world(Accelerator())\n")
     proc = subprocess.run(
@@ -403,7 +403,7 @@ def test_an_elastic_restart_resumes_by_itself_to_the_same_weights(straight, smal
 @pytest.mark.slow
 @pytest.mark.parametrize("repetition", range(10))
 def test_elastic_restarts_stress(straight, small_data, tmp_path, repetition):
-    """PITFALLS: restarted gloo groups used to hang (14 of 19 ran); with lazy gloo init every one must finish, exactly."""
+    """Restarted gloo groups used to hang (14 of 19 ran); with lazy gloo init every one must finish, exactly."""
     proc = elastic_restart(small_data, tmp_path, die_at_step=3 + 2 * repetition)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_weights(straight[0] / "out", tmp_path / "out")
