@@ -18,8 +18,8 @@ from tests.test_pretrain import global_order, global_sequence, recipe_args, weig
 pytestmark = pytest.mark.multiprocess
 
 
-def run(args: list[str], tmp_path, faults: dict, num_processes: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
-    cmd, env = launch_command("cpu.yaml", args, tmp_path, num_processes=num_processes)
+def run(args: list[str], tmp_path, faults: dict, num_processes: int = 2, timeout: int = 300, **kw) -> subprocess.CompletedProcess:
+    cmd, env = launch_command("cpu.yaml", args, tmp_path, num_processes=num_processes, **kw)
     return run_launch(cmd, {**env, FAULTS_ENV: json.dumps(faults)}, timeout)
 
 
@@ -58,9 +58,10 @@ def test_a_slow_rank_is_named_then_the_job_saves_and_exits_with_its_code(small_d
     out = tmp_path / "out"
     args = recipe_args(small_data, out, 12, "--straggler_window_steps", "2", "--straggler_patience", "2")
     args += ["--straggler_factor", "1.5", "--straggler_action", "checkpoint_and_exit"]
-    proc = run(args, tmp_path, {"rank": 1, "slow_seconds": 0.3})
-    assert proc.returncode != 0
-    assert f"exitcode  : {STRAGGLER_EXIT_CODE}" in proc.stdout + proc.stderr  # every rank's code, as torch elastic reports it
+    proc = run(args, tmp_path, {"rank": 1, "slow_seconds": 0.3}, launcher=(sys.executable, "-m", "infra.launch"))
+    assert proc.returncode == STRAGGLER_EXIT_CODE  # infra.launch exits with the ranks' code (accelerate launch: 1)
+    last = f"launch: rank 0 exited with code {STRAGGLER_EXIT_CODE}, rank 1 exited with code {STRAGGLER_EXIT_CODE}"
+    assert proc.stderr.strip().splitlines()[-1] == last and "Traceback" not in proc.stderr
     assert "straggler: rank 1 on" in proc.stdout and "for 2 windows of 2 steps" in proc.stdout and "): compute" in proc.stdout
     assert manifest(out, 4)["step"] == 4 and not (out / "final").exists()  # saved at the step it was decided, then stopped
     record = json.loads((out / "stopped.json").read_text())  # for the batch script
