@@ -9,7 +9,6 @@ DeepSpeed needs the gloo backend.
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -70,7 +69,6 @@ def build_accelerator(args: TrainingArguments, log_with: str | None = None) -> t
     if fsdp_on_cpu:
         fsdp_over_cpu_processes(accelerator)
     check_world(accelerator)
-    check_same_precision(accelerator, args.mixed_precision)
     configure_deepspeed(accelerator, args)
     return accelerator, precision
 
@@ -141,19 +139,6 @@ def check_world(accelerator: Accelerator) -> None:
             f"the launcher started {launched} processes but this one sees a group of {accelerator.num_processes}: "
             "they would each train and write as rank 0. Use an accelerate config from accelerate_configs/ "
             "(cpu.yaml on machines without a GPU)."
-        )
-
-
-def check_same_precision(accelerator: Accelerator, requested: str) -> None:
-    """Refuse a job whose ranks resolved `auto` differently (machines of different kinds in one job)."""
-    if accelerator.num_processes == 1:
-        return
-    chosen = gathered(accelerator, (accelerator.mixed_precision, socket.gethostname()))
-    if len({value for value, _ in chosen}) > 1:
-        hosts = ", ".join(sorted({f"{value} on {host}" for value, host in chosen}))
-        raise LaunchError(
-            f"mixed_precision={requested} resolved differently on the machines of this job ({hosts}): set it explicitly "
-            "(--mixed_precision bf16, fp16 or no)"
         )
 
 

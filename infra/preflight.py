@@ -60,8 +60,12 @@ def accelerators(accelerator: Accelerator) -> Check:
 
         mem = psutil.virtual_memory()
         mine = f"cpu {mem.available / GIB:.1f}/{mem.total / GIB:.1f} GiB free"
-    every = gather_object([f"{socket.gethostname()}:{mine}"]) if accelerator.num_processes > 1 else [mine]
-    kinds = sorted(set(every), key=every.index)
+    mine = (f"{socket.gethostname()}:{mine}", accelerator.mixed_precision)
+    every = gather_object([mine]) if accelerator.num_processes > 1 else [mine]
+    precisions = sorted({f"{precision} on {where.split(':')[0]}" for where, precision in every})
+    if len({precision for _, precision in every}) > 1:  # mixed_precision auto resolved differently on different machines
+        return Check("accelerators", False, f"the ranks train in different precisions ({', '.join(precisions)}): set mixed_precision")
+    kinds = sorted({where for where, _ in every}, key=[where for where, _ in every].index)
     return Check("accelerators", True, f"{accelerator.num_processes} ranks ({accelerator.distributed_type.value}): " + "; ".join(kinds[:4]))
 
 

@@ -391,6 +391,7 @@ def elastic_restart(small_data, tmp_path, die_at_step: int) -> subprocess.Comple
     return run_launch(cmd, env, timeout=240)
 
 
+@pytest.mark.slow  # torch elastic's gloo restart is flaky here (a refused or hung first collective): make test-all runs it
 def test_an_elastic_restart_resumes_by_itself_to_the_same_weights(straight, small_data, tmp_path):
     proc = elastic_restart(small_data, tmp_path, die_at_step=10)
     assert proc.returncode == 0, proc.stderr[-3000:]
