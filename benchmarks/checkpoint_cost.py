@@ -33,7 +33,7 @@ import torch
 from accelerate import Accelerator
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from infra.checkpoint import CheckpointManager
+from infra.checkpoint import CheckpointManager, RetentionConfig, RetentionPolicy
 from infra.files import fsync_tree
 
 DROP_CACHES = "/proc/sys/vm/drop_caches"
@@ -77,7 +77,7 @@ def main() -> None:
     scratch.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(dir=scratch) as tmp:
         root = Path(tmp)
-        manager = CheckpointManager(accelerator, root / "ours", {"benchmark": True}, save_total_limit=1)
+        manager = CheckpointManager(accelerator, root / "ours", {"benchmark": True}, RetentionPolicy(RetentionConfig(save_total_limit=1)))
         plain = root / "plain"
 
         save_state, save_state_times = accelerator.save_state, []

@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
-from infra.config import TrainingArguments
+from infra.environment import REPO
 from infra.precision import Precision, PrecisionError, resolve
 
-REPO = Path(__file__).resolve().parents[1]
+if TYPE_CHECKING:
+    from infra.trainer import TrainingArguments
 
 
 FSDP_ON_CPU_ENV = "INFRA_FSDP_ON_CPU"

@@ -48,3 +48,16 @@ def environment_report() -> str:
     lines += ["", "installed packages:"]
     lines += sorted(f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions() if d.metadata["Name"])
     return "\n".join(lines) + "\n"
+
+
+def environment_facts(accelerator) -> dict:
+    """What a checkpoint records about the job that wrote it (an Accelerator's world, engine and precision)."""
+    commit, dirty = git_state()
+    return {
+        "world_size": accelerator.num_processes,
+        "distributed_type": accelerator.distributed_type.value,
+        "mixed_precision": accelerator.mixed_precision,
+        "versions": package_versions(),
+        "git_commit": commit,
+        "git_dirty": dirty,
+    }

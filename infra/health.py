@@ -3,20 +3,53 @@
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import socket
 import threading
 import time
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Literal
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, gather_object
 
+from infra.config import require
+
 STRAGGLER_EXIT_CODE = 75  # EX_TEMPFAIL: saved and stopped on purpose, to be restarted without the slow rank
+
+
+@dataclass
+class HealthConfig:
+    """Hang and straggler flags (part of TrainingArguments); non-finite steps are NonFiniteConfig's."""
+
+    ddp_timeout: int = field(
+        default=1800, metadata={"help": "Seconds a collective may wait during start-up and the first step before the job fails."}
+    )
+    ddp_step_timeout: int = field(
+        default=900,
+        metadata={
+            "help": "After the first step, seconds a collective may wait before the job fails naming the rank that is behind "
+            "(0: keep ddp_timeout). Must exceed the longest checkpoint save."
+        },
+    )
+    straggler_window_steps: int = field(
+        default=50, metadata={"help": "Compare per-rank forward and data-wait times every N steps (0: off)."}
+    )
+    straggler_factor: float = field(default=1.5, metadata={"help": "A rank slower than this x the median is a straggler."})
+    straggler_patience: int = field(default=3, metadata={"help": "Windows in a row a rank must be slow before it is reported."})
+    straggler_action: Literal["warn", "checkpoint_and_exit"] = field(
+        default="warn",
+        metadata={"help": "checkpoint_and_exit: save and exit with code 75 so the job is restarted without the slow node."},
+    )
+
+    def __post_init__(self):
+        for name in ("ddp_timeout", "ddp_step_timeout", "straggler_window_steps"):
+            require(getattr(self, name) >= 0, name, getattr(self, name), "an integer >= 0")
+        require(self.straggler_patience >= 1, "straggler_patience", self.straggler_patience, "an integer >= 1")
+        require(self.straggler_factor > 1, "straggler_factor", self.straggler_factor, "a number > 1")
 
 
 class DesyncError(RuntimeError):
@@ -54,7 +87,7 @@ def check_replicas_in_sync(accelerator: Accelerator, model: torch.nn.Module) -> 
 def nonfinite(loss: torch.Tensor, grad_norm: torch.Tensor | float | None) -> torch.Tensor:
     """1.0 where this rank's loss (or gradient norm) is NaN or infinite, as a 0-dim tensor on the loss's device.
 
-    Left on the device so that it can join the step's one all-reduce (SaveSchedule.check): one
+    Left on the device so that it can join the step's one all-reduce (StepConsensus): one
     rank's NaN reaches the others through the gradient all-reduce, but not through the loss, and
     not at all when clipping is off; agreeing on the flag makes every rank skip (or roll back) together.
     """
@@ -230,54 +263,18 @@ class Heartbeat:
             else "every rank had finished the same step"
         )
 
+    @contextlib.contextmanager
+    def explaining(self) -> Iterator[None]:
+        """A collective that times out inside ends the program with one line naming the rank that hung."""
+        try:
+            yield
+        except Exception as err:
+            if (why := self.explain(err)) is not None:
+                raise SystemExit(why) from err
+            raise
+
     def explain(self, error: BaseException) -> str | None:
         """A one-line diagnosis when `error` is a collective timeout (None for other errors)."""
         if self.store is None or not any(s in str(error).lower() for s in ("timed out", "timeout")):
             return None
         return self.diagnosis()
-
-
-# ---------------------------------------------------------------------------------------------
-# Fault injection for tests
-
-
-FAULTS_ENV = "INFRA_TEST_FAULTS"
-
-
-class Faults:
-    """Test hooks, off unless INFRA_TEST_FAULTS holds JSON such as
-    `{"rank": 1, "nan_batches": [5, 11], "slow_seconds": 0.2, "hang_at_step": 6, "die_at_step": 7}`.
-
-    `nan_batches` poison the loss at those global micro-batches since the run began (a property of
-    the data position, so a rollback that moves past them does not meet them again); the others
-    act on `rank` only: a slower forward pass, a rank that stops forever at a step, or one that dies
-    at a step (in the first incarnation of the group only, so that an elastic restart gets past it).
-    """
-
-    def __init__(self, rank: int):
-        spec = json.loads(os.environ.get(FAULTS_ENV, "{}") or "{}")
-        self.active = spec.get("rank", 1) == rank
-        self.nan_batches = set(spec.get("nan_batches", [])) if self.active else set()
-        self.slow_seconds = float(spec.get("slow_seconds", 0)) if self.active else 0.0
-        self.hang_at_step = spec.get("hang_at_step") if self.active else None
-        # only in the first incarnation of the group: torch elastic counts its restarts
-        first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        self.die_at_step = spec.get("die_at_step") if self.active and first else None
-
-    def poison(self, loss: torch.Tensor, batch: int) -> torch.Tensor:
-        return loss * float("nan") if batch in self.nan_batches else loss
-
-    def slow_down(self) -> None:
-        if self.slow_seconds:
-            time.sleep(self.slow_seconds)
-
-    def maybe_die(self, step: int) -> None:
-        if self.die_at_step is not None and step == self.die_at_step:
-            print(f"test fault: rank dies at step {step}", flush=True)
-            os._exit(1)
-
-    def maybe_hang(self, step: int) -> None:
-        if self.hang_at_step is not None and step == self.hang_at_step:
-            print(f"test fault: rank stops at step {step}", flush=True)
-            while True:
-                time.sleep(3600)

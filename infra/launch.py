@@ -13,7 +13,7 @@ What a scheduler does to a job, and what each launcher then reports:
   and exits with their exit code (75 for a straggler, say).
 
 Otherwise it is `accelerate launch`, with the same arguments. The training processes catch both signals themselves
-(infra.checkpoint.SaveSchedule): a signal that reaches a process twice (the scheduler signals every process, and this
+(infra.preemption, infra.consensus): a signal that reaches a process twice (the scheduler signals every process, and this
 launcher forwards) counts once.
 """
 

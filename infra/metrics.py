@@ -1,8 +1,15 @@
-"""Throughput between two logging points, measured without synchronising every step."""
+"""The training metrics: built in one place (`TrainMetrics.collect`), throughput, FLOPs and classification scores.
+
+A new per-step metric is a line in `TrainMetrics.collect` (and its test in tests/test_tracking.py).
+"""
 
 from __future__ import annotations
 
+import math
 import time
+from typing import Any
+
+import torch
 
 
 class Throughput:
@@ -31,6 +38,45 @@ class Throughput:
         out = {f"{self.unit}_per_second": self._tokens / elapsed, "step_time": elapsed / steps, "data_wait": self._waited / steps}
         self._start, self._tokens, self._steps, self._waited = now, 0, 0, 0.0
         return out
+
+
+class TrainMetrics:
+    """What is logged every `logging_steps`: the mean loss of the window's finite steps, the learning rate, progress,
+    throughput and (on GPUs whose peak is known) model FLOPs utilisation."""
+
+    def __init__(self, accelerator, unit: str, flops_per_unit: float | None):
+        self.accelerator, self.unit, self.flops_per_unit = accelerator, unit, flops_per_unit
+        self.peak = peak_bf16_flops(torch.cuda.get_device_name(accelerator.device) if accelerator.device.type == "cuda" else None)
+        self.meter = Throughput(unit)
+        self.loss_sum, self.loss_count = torch.zeros((), device=accelerator.device), 0
+
+    def add_loss(self, step_loss: torch.Tensor, micro_batches: int) -> None:
+        """A finite step's summed micro-batch losses (left on the device: read at the next log)."""
+        self.loss_sum += step_loss
+        self.loss_count += micro_batches
+
+    def reset_loss(self) -> None:
+        self.loss_sum.zero_()
+        self.loss_count = 0
+
+    def collect(self, learning_rate: float, units_seen: int, epoch: int, grad_norm) -> tuple[dict[str, float], float]:
+        """The metrics of the window since the last call (one reduce of the loss across ranks), and its mean loss (NaN when
+        every step of the window was skipped; the count is the same on every rank)."""
+        acc = self.accelerator
+        mean_loss = acc.reduce(self.loss_sum, "mean").item() / self.loss_count if self.loss_count else math.nan
+        logged: dict[str, Any] = {
+            **({"train/loss": mean_loss} if self.loss_count else {}),
+            "train/learning_rate": learning_rate,
+            f"train/{self.unit}_seen": units_seen,
+            "train/epoch": epoch,
+        }
+        logged.update({f"perf/{k}": v for k, v in self.meter.rate().items()})
+        if self.peak and self.flops_per_unit:  # model FLOPs utilisation, only where the device's peak is known
+            logged["perf/mfu"] = logged[f"perf/{self.unit}_per_second"] * self.flops_per_unit / (self.peak * acc.num_processes)
+        if grad_norm is not None:
+            logged["train/grad_norm"] = float(grad_norm)
+        self.reset_loss()
+        return logged, mean_loss
 
 
 # Dense bf16 peak of one device, in TFLOP/s, from the vendors' data sheets (no sparsity).

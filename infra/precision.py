@@ -19,12 +19,26 @@ from __future__ import annotations
 
 import os
 import platform
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
 CHOICES = ("auto", "bf16", "fp16", "no")
 LAUNCHER_ENV = "ACCELERATE_MIXED_PRECISION"  # what `accelerate launch` passes to its processes
+
+
+@dataclass
+class PrecisionConfig:
+    """Precision flag (part of TrainingArguments)."""
+
+    mixed_precision: Literal["auto", "bf16", "fp16", "no"] = field(
+        default="auto",
+        metadata={
+            "help": "Autocast precision. auto: bf16 where the device computes it natively (bf16 GPUs; CPUs with AMX or AVX-512-BF16), "
+            "fp16 on older GPUs, else fp32 (no). The one place precision is set: a launcher config that asks for another is refused."
+        },
+    )
 
 
 class PrecisionError(ValueError):

@@ -16,18 +16,37 @@ import shutil
 import socket
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, gather_object
 
-from infra.checkpoint import seal_shared
+from infra.checkpoint.integrity import seal_shared
+from infra.config import require
 from infra.distributed import all_ranks_ok
 from infra.health import parameter_fingerprint
 
 GIB = 1 << 30
+
+
+@dataclass
+class PreflightConfig:
+    """Preflight flags (part of TrainingArguments)."""
+
+    preflight: bool = field(
+        default=True, metadata={"help": "Check devices, a collective, data, a checkpoint round trip, disk and MLflow before training."}
+    )
+    preflight_only: bool = field(
+        default=False, metadata={"help": "Run the preflight (data checksums included), print it, and exit (make doctor)."}
+    )
+    time_budget_hours: float = field(
+        default=0.0, metadata={"help": "Warn after the first steps if the run needs longer than this (0: no budget)."}
+    )
+
+    def __post_init__(self):
+        require(self.time_budget_hours >= 0, "time_budget_hours", self.time_budget_hours, "a number of hours >= 0")
 
 
 class PreflightError(SystemExit):
@@ -201,14 +220,6 @@ def mlflow_store(uri: str, fresh: bool) -> Check:
     return Check("mlflow", True, f"{uri} (not checked)")
 
 
-def kept_checkpoints(args) -> int:
-    """How many checkpoints the retention settings of `args` (TrainingArguments) keep at most."""
-    saves = args.max_steps // args.save_steps + 1 if args.save_steps else 1
-    kept = min(args.save_total_limit, saves) if args.save_total_limit is not None else saves
-    milestones = args.max_steps // args.save_milestone_steps if args.save_milestone_steps else 0
-    return min(saves, kept + args.keep_best + milestones)
-
-
 def report(checks: list[Check]) -> str:
     width = max(len(c.name) for c in checks)
     return "preflight\n" + "\n".join(f"  {'ok  ' if c.ok else 'FAIL'}  {c.name:<{width}}  {c.detail}" for c in checks)
@@ -219,7 +230,7 @@ def run_preflight(
     model: torch.nn.Module,
     dataset,
     output_dir: str,
-    kept_checkpoints: int,
+    most_kept: int,
     tracking_uri: str | None,
     data_checksums: bool = False,
 ) -> float:
@@ -240,7 +251,7 @@ def run_preflight(
         checks.append(check)
         if main:  # before the first step AdamW holds no moments yet: a checkpoint will take 12 bytes per parameter at least
             export = 4 * sum(p.numel() for p in accelerator.unwrap_model(model).parameters())
-            checks.append(disk(output_dir, max(size, 3 * export), kept_checkpoints, export))
+            checks.append(disk(output_dir, max(size, 3 * export), most_kept, export))
     if main and tracking_uri is not None:
         fresh = not any(Path(output_dir, "checkpoints").glob("step_*/manifest.json"))
         checks.append(mlflow_store(tracking_uri, fresh))

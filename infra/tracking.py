@@ -18,20 +18,41 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import yaml
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from infra.config import flatten
-from infra.environment import environment_report, git_state, package_versions
+from infra.config import flatten, require
+from infra.environment import REPO, environment_report, git_state, package_versions
 from infra.files import atomic_write_text
 
-REPO = Path(__file__).resolve().parents[1]
 DEFAULT_URI = f"sqlite:///{REPO / 'mlflow.db'}"
+
+
+@dataclass
+class TrackingConfig:
+    """Tracking flags (part of TrainingArguments)."""
+
+    run_name: str | None = field(default=None, metadata={"help": "MLflow run name; generated from the main hyperparameters if unset."})
+    experiment_name: str | None = field(default=None, metadata={"help": "MLflow experiment; the recipe's name if unset."})
+    report_to: Literal["mlflow", "none"] = field(default="mlflow", metadata={"help": "Experiment tracker to log to."})
+    log_model: bool = field(
+        default=False,
+        metadata={"help": "Log the exported model to the MLflow run as an MLflow transformers model (loadable with mlflow.pyfunc)."},
+    )
+    register_model: str | None = field(
+        default=None, metadata={"help": "Also register the logged model in the MLflow model registry under this name (implies log_model)."}
+    )
+
+    def __post_init__(self):
+        if self.register_model is not None:
+            require(bool(re.fullmatch(r"[\w.\-/ ]{1,256}", self.register_model)), "register_model", self.register_model, "a model name")
+            self.log_model = True
 
 
 def tracking_uri() -> str:

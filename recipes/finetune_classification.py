@@ -21,10 +21,12 @@ from functools import partial
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from infra.config import DataArguments, TrainingArguments, check_data_and_training, parse_config, resolved
+from infra.config import parse_config, resolved
+from infra.data import DataArguments
 from infra.data.tasks import minilm_dir
-from infra.loop import Job, load_pretrained, open_data, run_recipe, start, train
 from infra.metrics import evaluate_classifier
+from infra.recipe import load_pretrained, open_data, run_recipe, start
+from infra.trainer import Job, TrainingArguments, check_data_and_training, train
 
 
 @dataclass

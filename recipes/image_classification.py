@@ -21,9 +21,11 @@ from typing import Literal
 import torch
 from transformers import AutoConfig, AutoModelForImageClassification, ViTImageProcessor
 
-from infra.config import DataArguments, TrainingArguments, check_data_and_training, parse_config, require, resolved
-from infra.loop import Job, load_pretrained, open_data, run_recipe, start, train
+from infra.config import parse_config, require, resolved
+from infra.data import DataArguments
 from infra.metrics import evaluate_classifier
+from infra.recipe import load_pretrained, open_data, run_recipe, start
+from infra.trainer import Job, TrainingArguments, check_data_and_training, train
 
 
 @dataclass

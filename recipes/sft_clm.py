@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from infra.config import DataArguments, TrainingArguments, check_data_and_training, parse_config, resolved
-from infra.loop import Job, causal_lm_flops, load_pretrained, open_data, run_recipe, start, train
+from infra.config import parse_config, resolved
+from infra.data import DataArguments
+from infra.recipe import causal_lm_flops, load_pretrained, open_data, run_recipe, start
+from infra.trainer import Job, TrainingArguments, check_data_and_training, train
 
 
 @dataclass

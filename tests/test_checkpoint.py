@@ -24,15 +24,20 @@ from infra.checkpoint import (
     CheckpointError,
     CheckpointManager,
     Checksums,
-    SaveSchedule,
-    TrainState,
-    _lowest_priority,
+    RetentionConfig,
+    RetentionPolicy,
+    SaveClock,
+    SaveClockConfig,
     problem,
     read_manifest,
     seal,
     share,
 )
+from infra.checkpoint.integrity import _lowest_priority
+from infra.consensus import StepConsensus
 from infra.files import atomic_write_text
+from infra.preemption import Preemption
+from infra.trainer import TrainState
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +63,9 @@ def trainer(accelerator):
     return model, state, step
 
 
-def manager(accelerator, tmp_path, **kw) -> CheckpointManager:
-    return CheckpointManager(accelerator, tmp_path, {"test": True}, **kw)
+def manager(accelerator, tmp_path, **retention) -> CheckpointManager:
+    policy = RetentionPolicy(RetentionConfig(**{"save_total_limit": None, **retention}))
+    return CheckpointManager(accelerator, tmp_path, {"test": True}, policy)
 
 
 def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(accelerator, trainer, tmp_path, capsys):
@@ -136,10 +142,10 @@ def verdict(flipped) -> str | None:
 def test_checksums_taken_over_at_any_block_find_any_altered_byte(tmp_path, monkeypatch, flipped, hashed_in_background):
     """However many blocks the thread got through (none when it is starved; it is parked here),
     problem() finishes the rest, and the verdict is that of the whole files' xxh3-64."""
-    monkeypatch.setattr("infra.checkpoint.BLOCK", 4096)
+    monkeypatch.setattr("infra.checkpoint.integrity.BLOCK", 4096)
     files = checksummed_files(tmp_path, flipped)
     scheduled = threading.Event()  # the thread hashes nothing until the test lets it
-    monkeypatch.setattr("infra.checkpoint._lowest_priority", scheduled.wait)
+    monkeypatch.setattr("infra.checkpoint.integrity._lowest_priority", scheduled.wait)
     before = set(threading.enumerate())
     checking = Checksums(tmp_path, files)
     (worker,) = set(threading.enumerate()) - before
@@ -159,10 +165,11 @@ def test_checksums_taken_over_at_any_block_find_any_altered_byte(tmp_path, monke
 @pytest.mark.parametrize("flipped", FLIPS)
 def test_checksums_hashed_by_the_thread_and_the_caller_at_once(tmp_path, monkeypatch, flipped):
     """The thread at its lowest priority and problem() race for the blocks: the lock keeps the hashing in order."""
-    monkeypatch.setattr("infra.checkpoint.BLOCK", 64)  # thousands of blocks: both threads get some
+    monkeypatch.setattr("infra.checkpoint.integrity.BLOCK", 64)  # thousands of blocks: both threads get some
     files = checksummed_files(tmp_path, flipped)
     niceness = {}
-    monkeypatch.setattr("infra.checkpoint._lowest_priority", lambda: (_lowest_priority(), niceness.update(thread=current_niceness())))
+    lowest = lambda: (_lowest_priority(), niceness.update(thread=current_niceness()))  # noqa: E731
+    monkeypatch.setattr("infra.checkpoint.integrity._lowest_priority", lowest)
     main_before = current_niceness()
     for _ in range(5):
         assert Checksums(tmp_path, files).problem() == verdict(flipped)
@@ -244,28 +251,37 @@ def test_retention_keeps_newest_best_and_milestones_across_a_restart(accelerator
     assert [p.name[-1] for p in greater.checkpoints()] == ["8"]  # the highest loss is also the newest
 
 
+def consensus(accelerator, save_steps: int, minutes: str) -> StepConsensus:
+    clock = SaveClock(SaveClockConfig(save_steps=save_steps, save_every_minutes=minutes))
+    return StepConsensus(accelerator, clock, Preemption(grace_seconds=60))
+
+
+def agreed(schedule: StepConsensus, step: int) -> tuple[bool, bool]:
+    agreement = schedule.agree(step)
+    return agreement.save_due, agreement.preempted
+
+
 def test_schedule_saves_on_steps_on_the_clock_and_on_a_signal(accelerator):
-    before = {sig: signal.getsignal(sig) for sig in SaveSchedule.SIGNALS}
-    by_steps = SaveSchedule(accelerator, save_steps=5, minutes=0, mtbf_hours=24, grace_seconds=60)
-    assert [by_steps.check(s) for s in (4, 5)] == [(False, False), (True, False)]
-    by_steps.close()
-    clock = SaveSchedule(accelerator, save_steps=0, minutes=0.001, mtbf_hours=24, grace_seconds=60)  # 60 ms
-    assert clock.check(1) == (False, False)
+    before = {sig: signal.getsignal(sig) for sig in Preemption.SIGNALS}
+    by_steps = consensus(accelerator, save_steps=5, minutes="0")
+    assert [agreed(by_steps, s) for s in (4, 5)] == [(False, False), (True, False)]
+    clock = consensus(accelerator, save_steps=0, minutes="0.001")  # 60 ms
+    assert agreed(clock, 1) == (False, False)
     time.sleep(0.07)
-    assert clock.check(2) == (True, False)
-    assert clock.saved(0.5) is None and clock.check(3) == (False, False)  # the clock restarts at each save
-    clock.close()
-    auto = SaveSchedule(accelerator, save_steps=0, minutes="auto", mtbf_hours=24, grace_seconds=60)
-    assert auto.check(1) == (False, False)  # 30 minutes until a save has been measured
-    assert auto.saved(2.0) == pytest.approx((2 * 2.0 * 24 * 3600) ** 0.5 / 60)  # Young/Daly: 9.8 minutes
-    auto.close()
-    for sig in SaveSchedule.SIGNALS:
-        schedule = SaveSchedule(accelerator, save_steps=0, minutes=0, mtbf_hours=24, grace_seconds=60)
-        assert schedule.agreed_signal is None
-        os.kill(os.getpid(), sig)
-        assert schedule.check(7) == (True, True) and schedule.agreed_signal == sig.name  # the batch script requeues on SIGUSR1
-        schedule.close()  # also stops the watchdog that would end this process after the grace period
-    assert {sig: signal.getsignal(sig) for sig in SaveSchedule.SIGNALS} == before
+    assert agreed(clock, 2) == (True, False)
+    assert clock.clock.saved(0.5) is None and agreed(clock, 3) == (False, False)  # the clock restarts at each save
+    auto = consensus(accelerator, save_steps=0, minutes="auto")
+    assert agreed(auto, 1) == (False, False)  # 30 minutes until a save has been measured
+    assert auto.clock.saved(2.0) == pytest.approx((2 * 2.0 * 24 * 3600) ** 0.5 / 60)  # Young/Daly: 9.8 minutes
+    for sig in Preemption.SIGNALS:
+        schedule = consensus(accelerator, save_steps=0, minutes="0")
+        with schedule.preemption.armed():  # leaving it also stops the watchdog that would end this process after the grace period
+            assert schedule.agree(6).signal is None
+            os.kill(os.getpid(), sig)
+            agreement = schedule.agree(7)
+            assert agreed(schedule, 7) == (True, True) and agreement.signal == sig.name  # the batch script requeues on SIGUSR1
+    assert {sig: signal.getsignal(sig) for sig in Preemption.SIGNALS} == before
+    assert schedule.agree(8, torch.tensor(1.0)).nonfinite and not schedule.agree(9, torch.tensor(0.0)).nonfinite
 
 
 def test_the_preemption_watchdog_ends_a_process_that_does_not_exit(tmp_path):
@@ -274,11 +290,10 @@ def test_the_preemption_watchdog_ends_a_process_that_does_not_exit(tmp_path):
 
     script = (
         "import os, signal, time\n"
-        "from accelerate import Accelerator\n"
-        "from infra.checkpoint import SaveSchedule\n"
-        "SaveSchedule(Accelerator(), 0, 0, 24, grace_seconds=0.5)\n"
-        "os.kill(os.getpid(), signal.SIGTERM)\n"
-        "time.sleep(60)\n"
+        "from infra.preemption import Preemption\n"
+        "with Preemption(grace_seconds=0.5).armed():\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(60)\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "no clean exit within preemption_grace_seconds=0.5" in proc.stdout  # not 0 after the sleep

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
 import pytest
 
-from infra.config import ConfigError, TrainingArguments, _parse, flatten, resolved
+from infra.config import ConfigError, _parse, flatten, resolved
+from infra.trainer import TrainingArguments
 from tests.conftest import REPO
 
 
@@ -90,3 +92,75 @@ def test_every_launcher_config_loads_with_accelerates_own_loader(name):
 
     config = load_config_from_file(str(REPO / "accelerate_configs" / name))
     assert config.mixed_precision is None  # precision is the recipe's mixed_precision: one place
+
+
+# The command line and YAML keys users' scripts and configs rely on, with their defaults. A change here breaks them:
+# deliberate changes update this list (and the README's notes on upgrading) in the same commit.
+FROZEN_SURFACE = {
+    "TrainingArguments": {
+        "output_dir": "runs/default",
+        "seed": 42,
+        "max_steps": 200,
+        "per_device_train_batch_size": 8,
+        "gradient_accumulation_steps": 1,
+        "logging_steps": 10,
+        "eval_steps": 0,
+        "per_device_eval_batch_size": 8,
+        "learning_rate": 0.001,
+        "warmup_steps": 20,
+        "min_lr_ratio": 0.1,
+        "weight_decay": 0.1,
+        "adam_beta1": 0.9,
+        "adam_beta2": 0.95,
+        "max_grad_norm": 1.0,
+        "mixed_precision": "auto",
+        "save_steps": 100,
+        "save_every_minutes": "30",
+        "mtbf_hours": 24.0,
+        "save_total_limit": 2,
+        "keep_best": 0,
+        "metric_for_best_model": "train/loss",
+        "greater_is_better": False,
+        "save_milestone_steps": 0,
+        "async_save": False,
+        "verify_checksums": True,
+        "resume_from_checkpoint": "auto",
+        "preemption_grace_seconds": 120.0,
+        "max_bad_steps": 3,
+        "on_bad_steps": "rollback",
+        "max_rollbacks": 3,
+        "ddp_timeout": 1800,
+        "ddp_step_timeout": 900,
+        "straggler_window_steps": 50,
+        "straggler_factor": 1.5,
+        "straggler_patience": 3,
+        "straggler_action": "warn",
+        "preflight": True,
+        "preflight_only": False,
+        "time_budget_hours": 0.0,
+        "run_name": None,
+        "experiment_name": None,
+        "report_to": "mlflow",
+        "log_model": False,
+        "register_model": None,
+    },
+    "DataArguments": {
+        "data_dir": "data/stdlib",
+        "eval_samples": 0,
+        "num_workers": 0,
+        "shuffle_window": 262144,
+        "verify_data_checksums": False,
+        "trace_samples": False,
+    },
+}
+
+
+def test_the_command_line_surface_is_frozen():
+    from infra.data import DataArguments
+
+    for section in (TrainingArguments, DataArguments):
+        surface = {f.name: f.default for f in dataclasses.fields(section)}
+        assert surface == FROZEN_SURFACE[section.__name__], f"{section.__name__}: flags or defaults changed"
+        (parsed,) = _parse((section,), [])  # every flag parses from nothing to its default
+        assert dataclasses.asdict(parsed) == FROZEN_SURFACE[section.__name__]
+    assert {f.name for f in dataclasses.fields(TrainingArguments)} == set(resolved(TrainingArguments())["TrainingArguments"])

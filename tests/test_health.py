@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 
-from infra.health import FAULTS_ENV, STRAGGLER_EXIT_CODE
+from infra.health import STRAGGLER_EXIT_CODE
+from infra.testing import FAULTS_ENV
 from tests.conftest import REPO, launch_command, run_launch
 from tests.test_pretrain import global_order, global_sequence, recipe_args, weights
 
@@ -87,7 +88,8 @@ def test_a_hung_rank_fails_the_job_within_the_timeout_and_is_named(small_data, t
 
 
 def test_preflight_checks_each_fail_with_their_own_message(tmp_path):
-    from infra.preflight import disk, kept_checkpoints, mlflow_store, writable
+    from infra.checkpoint import RetentionPolicy
+    from infra.preflight import disk, mlflow_store, writable
     from tests.conftest import free_port
 
     assert disk(tmp_path, 10, 2, 5).ok
@@ -105,9 +107,9 @@ def test_preflight_checks_each_fail_with_their_own_message(tmp_path):
     class Args:
         max_steps, save_steps, save_total_limit, keep_best, save_milestone_steps = 1000, 100, 2, 1, 500
 
-    assert kept_checkpoints(Args) == 5  # 2 newest + 1 best + 2 milestones
+    assert RetentionPolicy(Args).most_kept(Args.max_steps, Args.save_steps) == 5  # 2 newest + 1 best + 2 milestones
     Args.save_total_limit = None
-    assert kept_checkpoints(Args) == 11  # every save
+    assert RetentionPolicy(Args).most_kept(Args.max_steps, Args.save_steps) == 11  # every save
 
 
 def test_doctor_runs_every_check_and_refuses_damaged_data_or_an_unreachable_store(small_data, tmp_path):
@@ -183,7 +185,7 @@ def test_a_recipe_exits_with_its_code_after_threads_and_atexit_handlers(tmp_path
     """run_recipe skips the interpreter's teardown, but not what a normal exit does before it."""
     script = f"""
 import atexit, threading, time
-from infra.loop import run_recipe
+from infra.recipe import run_recipe
 atexit.register(lambda: print("atexit ran", flush=True))
 def late():
     time.sleep(0.5)

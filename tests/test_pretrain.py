@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from infra.checkpoint import PAUSE_ENV, read_manifest, share
+from infra.checkpoint import read_manifest, share
 from infra.data import PackedDataset
 from infra.data.loader import EpochOrder
-from infra.health import FAULTS_ENV
+from infra.testing import FAULTS_ENV, PAUSE_ENV
 from tests.conftest import BIN, REPO, free_port, launch, launch_command, run_launch
 
 pytestmark = pytest.mark.multiprocess

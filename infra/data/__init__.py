@@ -1,9 +1,11 @@
 """Data: prepare raw text into shards, read them back in a resumable global order."""
 
-from infra.data.loader import DataCursor, ResumableLoader, SampleTrace, eval_batches
-from infra.data.shards import DataError, DataIndex, PackedDataset, SampleRange, check_fits_model
+from infra.data.errors import DataError
+from infra.data.loader import DataArguments, DataCursor, ResumableLoader, SampleTrace, eval_batches
+from infra.data.shards import DataIndex, PackedDataset, SampleRange, check_fits_model
 
 __all__ = [
+    "DataArguments",
     "DataCursor",
     "DataError",
     "DataIndex",

@@ -14,12 +14,37 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from infra.data.shards import DataError
+from infra.config import require
+from infra.data.errors import DataError
+
+
+@dataclass
+class DataArguments:
+    """Data flags of the recipes that train on prepared shards."""
+
+    data_dir: str = field(default="data/stdlib", metadata={"help": "Prepared shards (each recipe's YAML names its own)."})
+    eval_samples: int = field(
+        default=0, metadata={"help": "Hold out the last N samples of data_dir for eval (every eval_steps and at the end); 0: no eval."}
+    )
+    num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes per rank."})
+    shuffle_window: int = field(
+        default=1 << 18, metadata={"help": "Samples shuffled together after the shards are shuffled (see infra.data.loader.EpochOrder)."}
+    )
+    verify_data_checksums: bool = field(
+        default=False, metadata={"help": "sha256 every shard before training (in the preflight, on rank 0; make doctor always does)."}
+    )
+    trace_samples: bool = field(default=False, metadata={"help": "Log each step's global sample ids to OUTPUT_DIR/trace/rank{r}.jsonl."})
+
+    def __post_init__(self):
+        require(self.num_workers >= 0, "num_workers", self.num_workers, "an integer >= 0")
+        require(self.eval_samples >= 0, "eval_samples", self.eval_samples, "an integer >= 0")
+        require(self.shuffle_window >= 1, "shuffle_window", self.shuffle_window, "an integer >= 1")
 
 
 class DataCursor:

@@ -96,11 +96,12 @@ def train_tokenizer(texts, vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=EOS, eos_token=EOS, pad_token=EOS, unk_token=EOS)
 
 
-def load_tokenizer(name_or_path: str | Path):
+def load_tokenizer(name_or_path: str | Path, need_eos: bool = True):
+    """The tokenizer at `name_or_path` (a folder or a hub id); with `need_eos`, one that has an EOS token to separate documents."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-    if tokenizer.eos_token_id is None:
+    if need_eos and tokenizer.eos_token_id is None:
         raise ConfigError(f"tokenizer={str(name_or_path)!r} has no EOS token to separate documents with")
     return tokenizer
 

@@ -23,6 +23,8 @@ import hashlib
 import os
 from pathlib import Path
 
+from infra.data.errors import DataError
+
 CACHE_ENV = "INFRA_DATA_CACHE"
 
 
@@ -63,8 +65,6 @@ class RemoteDir:
         try:
             index = self.fs.cat_file(self._remote(index_file))
         except FileNotFoundError:
-            from infra.data.shards import DataError
-
             raise DataError(f"{self._remote(index_file)} does not exist: prepare the data and upload the folder first") from None
         self.cache = self.base / hashlib.sha256(index).hexdigest()[:16]
         self.cache.mkdir(parents=True, exist_ok=True)

@@ -29,16 +29,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from infra.data.errors import DataError
 from infra.data.remote import RemoteDir, is_remote
 from infra.files import atomic_write_text, publish_dir, sha256_file
 
 FORMAT_VERSION = 2  # 2 added fields besides the primary one; version 1 still reads
 INDEX_FILE = "index.json"
 TOKENIZER_DIR = "tokenizer"
-
-
-class DataError(ValueError):
-    """The prepared data is missing, damaged, or does not fit the run."""
 
 
 @dataclass

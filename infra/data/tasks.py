@@ -43,6 +43,7 @@ import numpy as np
 from tqdm import tqdm
 
 from infra.config import ConfigError, parse_config, require
+from infra.data.prepare import load_tokenizer
 from infra.data.shards import TOKENIZER_DIR, DataIndex, token_dtype, write_shard
 from infra.data.sources import STDLIB, iter_rows, stdlib_functions
 
@@ -201,14 +202,13 @@ def image_array(image, size: int, channels: int) -> np.ndarray:
 # Writing
 
 
-def load_tokenizer(args: TaskArguments):
-    from transformers import AutoTokenizer
-
+def task_tokenizer(args: TaskArguments):
+    """The task's tokenizer (made ready to pad, and for SFT to apply a chat template) and what it was loaded from."""
     default = {"sft": "data/stdlib/tokenizer", "text_classification": minilm_dir()}[args.task]
     name = args.tokenizer or default
     if args.tokenizer is None and not Path(name).exists():
         raise ValueError(f"tokenizer={name!r} does not exist: run make data first, or pass --tokenizer")
-    tokenizer = AutoTokenizer.from_pretrained(name)
+    tokenizer = load_tokenizer(name, need_eos=False)
     if tokenizer.pad_token is None:  # right padding; the loss and attention masks skip it
         tokenizer.pad_token = tokenizer.eos_token
     if args.task == "sft" and not tokenizer.chat_template:
@@ -247,7 +247,7 @@ def prepare_task(args: TaskArguments) -> DataIndex:
 
     tokenizer, made_from = None, "none"
     if args.task != "image_classification":
-        tokenizer, made_from = load_tokenizer(args)
+        tokenizer, made_from = task_tokenizer(args)
         tokenizer.save_pretrained(work / TOKENIZER_DIR)
     order = rng.permutation(len(examples))[: args.max_examples]
 

@@ -1,0 +1,30 @@
+"""Checkpoints: one concern per module.
+
+- `manager`: save (synchronous or in the background), commit, resume the newest that verifies, prune;
+- `integrity`: checksums and sizes in the manifest, sealed by every rank's share, checked before a load;
+- `retention`: which checkpoints are kept (and how many, for the disk preflight);
+- `clock`: when a save is due (steps, minutes, Young/Daly).
+"""
+
+from infra.checkpoint.clock import SaveClock, SaveClockConfig
+from infra.checkpoint.integrity import CheckpointError, Checksums, problem, read_manifest, seal, seal_shared, share
+from infra.checkpoint.manager import CONFIG, CORRUPT, CheckpointConfig, CheckpointManager
+from infra.checkpoint.retention import RetentionConfig, RetentionPolicy
+
+__all__ = [
+    "CONFIG",
+    "CORRUPT",
+    "CheckpointConfig",
+    "CheckpointError",
+    "CheckpointManager",
+    "Checksums",
+    "RetentionConfig",
+    "RetentionPolicy",
+    "SaveClock",
+    "SaveClockConfig",
+    "problem",
+    "read_manifest",
+    "seal",
+    "seal_shared",
+    "share",
+]

@@ -1,0 +1,366 @@
+"""Checkpoints through `accelerator.save_state`: committed atomically, verified, resumed.
+
+Layout:
+
+    OUTPUT_DIR/checkpoints/step_00000100/     what save_state writes (model, optimizer, scheduler,
+        ...                                   every rank's RNG, registered objects) plus
+        config.json                           the resolved configuration
+        manifest.json                         step, tokens, data cursor, metrics, every file's size
+                                              and xxh3-64, world size, versions, git commit, run id
+    OUTPUT_DIR/checkpoints/corrupt/           checkpoints that failed verification, kept for a look
+
+A save goes to `.step_XXXXXXXX.partial/`. When every rank has written its part, each rank reads
+its share of the files back once to checksum them while they are fsynced (one thread per file, so
+hashing overlaps the disk flush; the files are dealt to the ranks by size), then rank 0 writes
+`manifest.json` last, renames the folder into place and only then prunes (retention.py).
+A folder without a whole manifest is never loaded; leftovers of interrupted saves are removed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, broadcast_object_list
+
+from infra.checkpoint.integrity import MANIFEST, CheckpointError, Checksums, fsync_dirs, problem, read_manifest, seal, seal_shared, share
+from infra.checkpoint.retention import RetentionConfig, RetentionPolicy
+from infra.config import require, to_json
+from infra.distributed import all_ranks_ok, gathered
+from infra.files import atomic_write_text, drop_cached, fsync_dir
+
+log = logging.getLogger(__name__)
+
+CONFIG = "config.json"
+PREFIX = "step_"
+CORRUPT = "corrupt"
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoint flags (part of TrainingArguments); when to save is SaveClockConfig's, what to keep RetentionConfig's."""
+
+    async_save: bool = field(
+        default=False,
+        metadata={
+            "help": "DDP: copy the state to CPU memory and write it from a thread while training goes on (final saves stay synchronous)."
+        },
+    )
+    verify_checksums: bool = field(
+        default=True, metadata={"help": "Check every file's checksum before resuming (sizes are always checked)."}
+    )
+    resume_from_checkpoint: str = field(
+        default="auto",
+        metadata={"help": "'auto' resumes from the newest checkpoint in output_dir, 'none' starts fresh, or a checkpoint path."},
+    )
+
+    def __post_init__(self):
+        if self.resume_from_checkpoint not in ("auto", "none"):
+            require(
+                Path(self.resume_from_checkpoint).is_dir(),
+                "resume_from_checkpoint",
+                self.resume_from_checkpoint,
+                "'auto', 'none' or an existing checkpoint directory",
+            )
+
+
+class _Frozen:
+    """Stands in for an optimizer or scheduler whose state was copied: `state_dict()` returns the copy."""
+
+    def __init__(self, state: dict):
+        self._state = state
+
+    def state_dict(self) -> dict:
+        return self._state
+
+
+class CheckpointManager:
+    """Save, commit, verify, resume and prune the checkpoints of one output_dir."""
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        output_dir: str | os.PathLike,
+        config: dict,
+        retention: RetentionPolicy | None = None,
+        before_commit: Callable[[int], None] | None = None,
+    ):
+        """`config` is written beside every checkpoint; `before_commit(step)` runs between a synchronous save_state and its
+        commit (a test hook: infra.testing pauses there so that a test can kill a save midway)."""
+        self.accelerator = accelerator
+        self.root = Path(output_dir) / "checkpoints"
+        self.config = config
+        self.retention = retention or RetentionPolicy(RetentionConfig(save_total_limit=None))  # keeps every checkpoint
+        self.before_commit = before_commit
+        self._background: threading.Thread | None = None  # a background save, or pruning
+        self._background_error: tuple[int, Exception] | None = None
+        self._staging: dict[tuple, torch.Tensor] = {}  # CPU buffers of background saves, reused from one to the next
+
+    def _remove_leftovers(self) -> None:
+        """Before resuming: what interrupted saves left is removed (on rank 0; every rank waits)."""
+        if self.accelerator.is_main_process:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for leftover in [*self.root.glob(f".{PREFIX}*.partial"), *(p for p in self.checkpoints() if not (p / MANIFEST).is_file())]:
+                log.warning("removing %s, left by a save that did not finish", leftover)
+                shutil.rmtree(leftover, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+
+    def path(self, step: int) -> Path:
+        return self.root / f"{PREFIX}{step:08d}"
+
+    def checkpoints(self) -> list[Path]:
+        """Committed checkpoint folders, oldest first."""
+        found = [p for p in self.root.glob(f"{PREFIX}*") if p.is_dir() and p.name[len(PREFIX) :].isdigit()]
+        return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
+
+    def resume(self, resume_from_checkpoint: str, checksums: bool = True) -> tuple[Path | None, dict[str, Any]]:
+        """Load the checkpoint to resume from; returns it and its manifest, or (None, {}) to start fresh.
+
+        'none' starts fresh; a path must verify; 'auto' takes the newest that verifies, and reports
+        in one line and moves to `checkpoints/corrupt/` each one that does not. Rank 0 checks the
+        manifest and sizes, then every rank checksums its share of the files while all load it: loading is
+        idempotent, so when the checksums disagree the next candidate is simply loaded over it, and
+        verification costs little more than the load itself. Counters and the data cursor are
+        restored from the manifest (JSON) by the caller, so nothing of ours is unpickled.
+        """
+        self._remove_leftovers()
+        if resume_from_checkpoint == "none":
+            return None, {}
+        explicit = resume_from_checkpoint != "auto"
+        candidates = [Path(resume_from_checkpoint)] if explicit else list(reversed(self.checkpoints()))
+        acc = self.accelerator
+        for path in candidates:
+            why = self._on_main(lambda path=path: problem(path, checksums=False))
+            if why is None and (incompatible := self._on_main(lambda path=path: self._incompatibility(path))):
+                raise CheckpointError(f"cannot resume from {path}: {incompatible}")
+            if why is None:
+                why = self._load_verified(path, checksums)
+            if why is None:
+                return path, read_manifest(path)
+            if explicit:
+                raise CheckpointError(f"cannot resume from {path}: {why}")
+            if acc.is_main_process:
+                print(f"warning: skipping checkpoint {path}: {why}; moved to {self.root / CORRUPT}", flush=True)
+                (self.root / CORRUPT).mkdir(exist_ok=True)
+                os.replace(path, self.root / CORRUPT / f"{path.name}.{int(time.time())}")
+            acc.wait_for_everyone()
+        return None, {}
+
+    def _load_verified(self, path: Path, checksums: bool) -> str | None:
+        """Load `path` on every rank while each rank checksums its `share` of the files; why it is unusable, or None."""
+        acc = self.accelerator
+        mismatch, error, checking = None, None, None
+        if checksums:
+            try:
+                files = read_manifest(path)["files"]
+                mine = share({rel: entry["size"] for rel, entry in files.items()}, acc.num_processes)[acc.process_index]
+                checking = Checksums(path, {rel: files[rel] for rel in mine})
+            except Exception as err:  # whatever it is, every rank must reach the gather below
+                mismatch = f"checksumming failed ({err})"
+        try:
+            acc.load_state(str(path))
+        except Exception as err:  # a damaged file the checksums will name, usually
+            error = f"loading failed ({err})"
+        if checking is not None:
+            try:
+                mismatch = checking.problem()
+            except Exception as err:
+                mismatch = f"checksumming failed ({err})"
+        outcomes = gathered(acc, (mismatch, error))  # every rank has loaded: the files may leave the page cache
+        if checking is not None:
+            for rel in mine:
+                drop_cached(path / rel)
+        return next((m for m, _ in outcomes if m), None) or next((e for _, e in outcomes if e), None)
+
+    def _on_main(self, fn):
+        """fn() computed on rank 0, returned on every rank."""
+        box = [fn() if self.accelerator.is_main_process else None]
+        if self.accelerator.num_processes > 1:
+            broadcast_object_list(box)
+        return box[0]
+
+    def _incompatibility(self, path: Path) -> str | None:
+        manifest = read_manifest(path)
+        acc = self.accelerator
+        was, now = manifest.get("distributed_type"), acc.distributed_type.value
+        if DistributedType.DEEPSPEED.value in (was, now) and (was != now or manifest.get("world_size") != acc.num_processes):
+            return (
+                f"it was written by {manifest.get('world_size')} {was} processes and this run is {acc.num_processes} {now}: "
+                "ZeRO checkpoints are sharded per rank, so resume with the same world size and engine "
+                "(or convert it with DeepSpeed's ds_to_universal)"
+            )
+        if was == DistributedType.DEEPSPEED.value and manifest.get("mixed_precision", acc.mixed_precision) != acc.mixed_precision:
+            return (
+                f"it was written in mixed precision {manifest['mixed_precision']} and this run is {acc.mixed_precision}: DeepSpeed "
+                f"keeps its optimizer state per precision, so resume with --mixed_precision {manifest['mixed_precision']}"
+            )
+        return None
+
+    def save(self, step: int, manifest: dict[str, Any], background: bool = False) -> Path:
+        """Save, commit (manifest last, then rename), then prune. Called on every rank.
+
+        A failure on any rank (a full disk, say) leaves the earlier checkpoints as they were and
+        raises CheckpointError on every rank, instead of leaving the others waiting.
+
+        `background=True` (DDP or one process; DeepSpeed and FSDP save synchronously): the state is
+        copied to CPU memory and every rank's RNG state written now, and rank 0 writes, commits and
+        prunes from a thread while training goes on. The files are those of a synchronous save. A
+        failure there is raised on every rank at the next save.
+        """
+        final = self.path(step)
+        if final.exists():  # this step is already committed (a resume at the final step, say)
+            return final
+        acc = self.accelerator
+        self.wait()  # the previous save is committed (or its failure raised on every rank) first
+        work = self.root / f".{PREFIX}{step:08d}.partial"
+        if acc.is_main_process:
+            shutil.rmtree(work, ignore_errors=True)
+        acc.wait_for_everyone()
+        background = background and acc.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+        error, staged = None, None
+        try:
+            if background:
+                staged = self._stage(work)
+            else:
+                acc.save_state(str(work))
+        except Exception as err:  # OSError, and what libraries wrap it in (safetensors raises its own type)
+            error = err
+        if not all_ranks_ok(acc, error is None):
+            self._give_up(work, step, error)
+        if background:
+            if acc.is_main_process:
+                self._background = threading.Thread(target=self._write_and_commit, args=(work, final, step, manifest, staged))
+                self._background.start()
+            return final
+        if self.before_commit is not None:
+            self.before_commit(step)
+        files, error = seal_shared(acc, work)
+        if acc.is_main_process and error is None:
+            try:
+                self._commit(work, final, step, manifest, files)
+            except Exception as err:
+                error = err
+        if not all_ranks_ok(acc, error is None):
+            self._give_up(work, step, error)
+        if acc.is_main_process:  # deleting old checkpoints is not on the training's critical path
+            self._background = threading.Thread(target=self.prune, name="checkpoint-prune")
+            self._background.start()
+        acc.wait_for_everyone()
+        return final
+
+    def _commit(self, work: Path, final: Path, step: int, manifest: dict[str, Any], files: dict | None = None) -> None:
+        """On rank 0: config.json, the checksums (of every file, unless `files` has the ranks' own), manifest.json, rename."""
+        (work / CONFIG).write_text(to_json(self.config))
+        files = seal(work) if files is None else {**files, **seal(work, [CONFIG])}
+        fsync_dirs(work)
+        atomic_write_text(work / MANIFEST, json.dumps({**manifest, "step": step, "files": files}, indent=2))
+        os.rename(work, final)
+        fsync_dir(self.root)
+
+    def _stage(self, work: Path):
+        """This rank's RNG state to `work` now; on rank 0, CPU copies of what save_state would write."""
+        from accelerate.checkpointing import save_accelerator_state
+
+        acc = self.accelerator
+        rng = work / f".rng{acc.process_index}"
+        rng.mkdir(parents=True)
+        save_accelerator_state(str(rng), [], [], [], [], acc.process_index, acc.step, acc.scaler)  # writes only RNG files
+        for f in rng.iterdir():
+            os.replace(f, work / f.name)
+        rng.rmdir()
+        if not acc.is_main_process:
+            return None
+        # One CPU buffer per tensor view, so tied weights stay tied. The buffers of the previous save
+        # are reused (its writer has finished): allocating and first touching 1.3 GB of fresh memory
+        # costs more than the copy itself. So rank 0 holds one CPU copy of the state while async_save
+        # is on. Pinned for GPU tensors, for an asynchronous device-to-host copy.
+        previous, copies = self._staging, {}
+        on_gpu = False
+
+        def to_cpu(value):
+            nonlocal on_gpu
+            if isinstance(value, torch.Tensor):
+                key = (
+                    value.device,
+                    value.untyped_storage().data_ptr(),
+                    value.storage_offset(),
+                    value.stride(),
+                    tuple(value.shape),
+                    value.dtype,
+                )
+                if key not in copies:
+                    buffer = previous.pop(key, None)
+                    if buffer is None:
+                        buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
+                    copies[key] = buffer.copy_(value.detach(), non_blocking=value.is_cuda)
+                    on_gpu |= value.is_cuda
+                return copies[key]
+            if isinstance(value, dict):  # keeps OrderedDict: accelerate de-duplicates tied weights only in one
+                return type(value)((k, to_cpu(v)) for k, v in value.items())
+            if isinstance(value, list | tuple):
+                return type(value)(to_cpu(v) for v in value)
+            return value
+
+        weights = [to_cpu(acc.get_state_dict(m, unwrap=False)) for m in acc._models]
+        optimizers = [_Frozen(to_cpu(o.state_dict())) for o in acc._optimizers]
+        schedulers = [_Frozen(to_cpu(s.state_dict())) for s in acc._schedulers]
+        if on_gpu:
+            torch.cuda.synchronize()  # the non-blocking copies have landed before training changes the source
+        self._staging = copies
+        return weights, optimizers, schedulers
+
+    def _write_and_commit(self, work: Path, final: Path, step: int, manifest: dict[str, Any], staged) -> None:
+        from accelerate.checkpointing import RNG_STATE_NAME, save_accelerator_state
+
+        acc = self.accelerator
+        try:
+            weights, optimizers, schedulers = staged
+            rng = work / f"{RNG_STATE_NAME}_{acc.process_index}.pkl"
+            kept = rng.read_bytes()  # save_accelerator_state writes the RNG as it is now: put back the staged one
+            save_accelerator_state(str(work), weights, optimizers, schedulers, [], acc.process_index, acc.step, None)
+            rng.write_bytes(kept)
+            self._commit(work, final, step, manifest)
+            self.prune()
+        except Exception as err:
+            shutil.rmtree(work, ignore_errors=True)
+            self._background_error = (step, err)
+
+    def wait(self) -> None:
+        """Let a background save or prune finish; raise (on every rank) if a background save failed."""
+        if self._background is not None:
+            self._background.join()
+            self._background = None
+        failed = self._background_error
+        self._background_error = None
+        if not all_ranks_ok(self.accelerator, failed is None):
+            step, err = failed if failed else (None, None)
+            raise CheckpointError(
+                f"the background save of step {step} failed ({err}); the earlier checkpoints are intact: "
+                f"{', '.join(p.name for p in self.checkpoints()) or 'none'}"
+            )
+
+    def _give_up(self, work: Path, step: int, error: Exception | None) -> None:
+        if self.accelerator.is_main_process:
+            shutil.rmtree(work, ignore_errors=True)
+        kept = [p.name for p in self.checkpoints()]
+        cause = f" ({getattr(error, 'strerror', None) or error})" if error else " (on another rank)"
+        raise CheckpointError(
+            f"saving the checkpoint of step {step} failed{cause}; the earlier checkpoints are intact: {', '.join(kept) or 'none'}"
+        )
+
+    def prune(self) -> None:
+        """Delete what the retention policy does not keep."""
+        kept = self.retention.keep([(int(p.name[len(PREFIX) :]), p) for p in self.checkpoints()], read_manifest)
+        for old in self.checkpoints():
+            if old not in kept:
+                shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,51 @@
+"""What every rank must agree on after each optimizer step, in one small all-reduce.
+
+A preemption signal reaches one rank, rank 0's clock decides a timed save, and a non-finite loss
+shows on the rank that computed it (it reaches the others through the gradient all-reduce, but not
+through the loss, and not at all when clipping is off). Each rank contributes its flags, the
+all-reduce takes the maximum, and every rank acts on the same answer at the same step: one
+collective and one host synchronisation per step carry all of it.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+
+import torch
+from accelerate import Accelerator
+
+from infra.checkpoint.clock import SaveClock
+from infra.preemption import Preemption
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """The ranks' common view of one step."""
+
+    save_due: bool  # by save_steps, rank 0's clock, or a preemption
+    preempted: bool  # a signal reached some rank: save and stop
+    signal: str | None  # which: SIGTERM over SIGUSR1 when ranks got different ones
+    nonfinite: bool  # some rank's loss or gradient norm is NaN or infinite
+
+
+class StepConsensus:
+    def __init__(self, accelerator: Accelerator, clock: SaveClock, preemption: Preemption):
+        self.accelerator, self.clock, self.preemption = accelerator, clock, preemption
+
+    def agree(self, step: int, nonfinite: torch.Tensor | None = None) -> Agreement:
+        """The agreement at the end of `step`; `nonfinite` is this rank's flag (a 0-dim tensor, see health.nonfinite)."""
+        due = self.accelerator.is_main_process and self.clock.by_time()
+        device = self.accelerator.device
+        flags = [] if nonfinite is None else [nonfinite.float().reshape(1)]
+        agreed = torch.cat([torch.tensor([float(self.preemption.signal or 0), float(due)], device=device), *flags])
+        if self.accelerator.num_processes > 1:
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
+        values = agreed.tolist()
+        preempted, due = values[0] > 0, values[1] > 0
+        return Agreement(
+            save_due=preempted or due or self.clock.by_steps(step),
+            preempted=preempted,
+            signal=signal.Signals(int(values[0])).name if preempted else None,
+            nonfinite=len(values) > 2 and values[2] > 0,
+        )

@@ -1,0 +1,5 @@
+"""The one error type of the data package (its own module, so that every data module can raise it)."""
+
+
+class DataError(ValueError):
+    """The prepared data is missing, damaged, or does not fit the run."""

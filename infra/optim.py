@@ -1,0 +1,43 @@
+"""The optimizer and its learning-rate schedule: AdamW, linear warmup, cosine decay to a floor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+from infra.config import require
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer flags (part of TrainingArguments)."""
+
+    learning_rate: float = field(default=1e-3, metadata={"help": "Peak learning rate after warmup."})
+    warmup_steps: int = field(default=20, metadata={"help": "Linear warmup steps before the cosine decay."})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "Cosine decay floor, as a fraction of learning_rate."})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay (not applied to norms and biases)."})
+    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
+    adam_beta2: float = field(default=0.95, metadata={"help": "AdamW beta2."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm (0 disables clipping)."})
+
+    def __post_init__(self):
+        require(self.learning_rate > 0, "learning_rate", self.learning_rate, "a number > 0")
+        require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "an integer >= 0")
+        require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
+        require(self.max_grad_norm >= 0, "max_grad_norm", self.max_grad_norm, "a number >= 0")
+
+
+def build_optimizer(model: torch.nn.Module, config: OptimizerConfig) -> torch.optim.AdamW:
+    """AdamW; no weight decay on vectors (norms, biases)."""
+    decay = [p for p in model.parameters() if p.ndim >= 2 and p.requires_grad]
+    no_decay = [p for p in model.parameters() if p.ndim < 2 and p.requires_grad]
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2))
+
+
+def build_scheduler(optimizer, config: OptimizerConfig, max_steps: int):
+    """Linear warmup, then cosine decay to min_lr_ratio at `max_steps`. Built on the prepared optimizer: ZeRO-3
+    regroups parameters, and a schedule made before `prepare` would no longer match."""
+    return get_cosine_with_min_lr_schedule_with_warmup(optimizer, config.warmup_steps, max_steps, min_lr_rate=config.min_lr_ratio)

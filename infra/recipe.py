@@ -1,0 +1,155 @@
+"""What a recipe script calls around the Trainer: its data opened and checked, the Accelerator, the pretrained model,
+and the entry point that turns every exit into a code for the launcher.
+
+    data = open_data(data_args, args)                      # the prepared shards, split for eval
+    accelerator = start(args)                              # the launcher's Accelerator, seeded
+    model = load_pretrained(AutoModel..., name, hint)      # or the recipe's own
+    train(accelerator, args, data_args, config, Job(...))  # infra.trainer
+
+A bad input ends the program with one line naming it (`exit_on`), before anything is written.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import faulthandler
+import os
+import re
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+from infra.data import DataArguments, PackedDataset, check_fits_model
+from infra.distributed import LaunchError, build_accelerator
+from infra.metrics import flops_per_token
+from infra.tracking import run_status
+
+if TYPE_CHECKING:
+    from infra.trainer import TrainingArguments
+
+
+@dataclass
+class Data:
+    """A recipe's data: the shards, the part trained on, the held-out part (may be empty), and who hashes the shards."""
+
+    dataset: PackedDataset
+    train: torch.utils.data.Dataset
+    held_out: torch.utils.data.Dataset
+    preflight_hashes: bool  # the preflight sha256es them (else they were checked when opened, if asked)
+
+
+def open_data(
+    data_args: DataArguments, args: TrainingArguments, fields: tuple[str, ...] = ("input_ids",), made_by: str = "make data"
+) -> Data:
+    """The shards, split: sizes checked now; sha256 now only if no preflight will hash them.
+
+    The data must hold exactly `fields` (the recipe's inputs), as `made_by` prepares them.
+    """
+    preflight_hashes = (args.preflight or args.preflight_only) and (data_args.verify_data_checksums or args.preflight_only)
+    try:
+        dataset = PackedDataset(
+            data_args.data_dir,
+            verify_checksums=data_args.verify_data_checksums and not preflight_hashes,
+            hash_fetches=data_args.verify_data_checksums,  # remote data: every rank hashes what it fetches later
+            # one process per machine reads every shard's header (10k shards: 1.0 s here, from local disk), not
+            # every rank: on network storage 64 ranks would open every file 64 times at once. Per machine, not
+            # once per job, as data may be copied to each machine's disk. A bad file stops that rank; the
+            # launcher then stops the others.
+            check=int(os.environ.get("LOCAL_RANK", "0")) == 0,
+        )
+        train_set, held_out = dataset.split(data_args.eval_samples)
+    except ValueError as err:
+        raise SystemExit(f"data error: {err}") from None
+    if tuple(dataset.fields) != fields:
+        raise SystemExit(f"data error: {data_args.data_dir} holds {dataset.fields}, this recipe reads {list(fields)} ({made_by})")
+    return Data(dataset, train_set, held_out, preflight_hashes)
+
+
+def causal_lm_flops(model: torch.nn.Module, dataset: PackedDataset, eos_token_id: int) -> float:
+    """Check that the token data fits the causal LM (vocabulary, positions, EOS), or exit in one line; then
+    its training FLOPs per token, counted before ZeRO-3 partitions the parameters."""
+    with exit_on(ValueError, "data error"):
+        check_fits_model(dataset.index, eos_token_id, model.config)
+    c = model.config
+    return flops_per_token(sum(p.numel() for p in model.parameters()), c.num_hidden_layers, c.hidden_size, dataset.seq_len)
+
+
+def run_recipe(main: Callable[[], None]) -> NoReturn:
+    """A recipe's entry point: main() under `run_status`, then the exit that main() chose (0 at the end or after a
+    preemption, 75 for a straggler, 1 with a one-line error), without the interpreter's finalization.
+
+    Why: after a clean finish (process group destroyed, files committed, MLflow run ended), a rank
+    sometimes aborted in C++ static destructors at exit ("terminate called without an active
+    exception", SIGABRT, no Python frame left: 1 launch in 20 to 40 here, with torch 2.13 and gloo),
+    which turned a finished job into a failed one. So the process exits as Python would (other
+    threads joined, atexit handlers run, streams flushed) and then skips the C++ teardown. A bug's
+    exception propagates and exits the usual way, with its traceback.
+    """
+    try:
+        with run_status():
+            main()
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 1
+        if not isinstance(exit_.code, int | None):
+            print(exit_.code, file=sys.stderr)
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).fflush(None)  # C stdio buffers of native libraries
+    os._exit(code)
+
+
+def start(args: TrainingArguments) -> Accelerator:
+    """The Accelerator for the launcher's config, in the precision the recipe's mixed_precision gives here, seeded.
+
+    A fatal signal (a segfault, an abort in C++ at exit) prints every thread's Python stack first.
+    """
+    faulthandler.enable(all_threads=True)
+    try:
+        accelerator, precision = build_accelerator(args, log_with=None if args.report_to == "none" else args.report_to)
+    except LaunchError as err:
+        raise SystemExit(f"launch error: {err}") from None
+    accelerator.print(precision)
+    set_seed(args.seed)
+    return accelerator
+
+
+HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
+
+
+def model_source(name: str, hint: str) -> str:
+    """`name` if it is an existing path or shaped like a hub id; else a one-line exit with `hint`."""
+    if Path(name).exists() or HUB_ID.fullmatch(name):
+        return name
+    raise SystemExit(f"model error: model_name_or_path={name!r} is neither an existing path nor a hub id: {hint}")
+
+
+def load_pretrained(load: Callable[..., Any], name: str, hint: str, **kwargs) -> Any:
+    """`load(name, **kwargs)` (a `from_pretrained`), or a one-line exit naming the model: a name that is neither a path
+    nor a hub id, a folder without the model's files, a hub id that cannot be fetched."""
+    source = model_source(name, hint)
+    with exit_on((OSError, ValueError), "model error"):  # ValueError: a folder whose config.json names no model
+        return load(source, **kwargs)
+
+
+@contextlib.contextmanager
+def exit_on(error: type[Exception] | tuple[type[Exception], ...], prefix: str):
+    """Turn `error` into a one-line exit: `with exit_on(CheckpointError, "checkpoint error"): ...`."""
+    try:
+        yield
+    except error as err:
+        raise SystemExit(f"{prefix}: {err}") from None

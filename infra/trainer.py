@@ -1,0 +1,487 @@
+"""The Trainer every recipe shares; a recipe supplies its model, its data and its loss.
+
+    trainer = Trainer(accelerator, args, data_args, config, Job("pretrain_clm", model, data, loss=lm_loss, ...))
+    trainer.run()          # or train(...), which does both
+
+`run()` is the whole story: the preflight, the resume of the newest checkpoint that verifies (and of
+the same MLflow run), then optimizer steps to `max_steps`, each followed by what is due (logging,
+held-out eval, a checkpoint), until the end or a stop (a preemption, a straggler); then the export
+and one exit. Each phase is a method and each concern a component built in the constructor:
+
+    checkpoints  infra.checkpoint    save, commit, verify, resume, retention
+    clock        infra.checkpoint    when a save is due (steps, minutes, Young/Daly)
+    consensus    infra.consensus     one all-reduce per step: preempted, save due, non-finite
+    guard        infra.guard         non-finite steps: skip, roll back, stop
+    metrics      infra.metrics       what is logged every logging_steps
+    exporter     infra.export        final/ and its model card
+    stragglers, heartbeat            infra.health
+
+Every flag is in `TrainingArguments`, one flat command line and YAML, made of the sections those
+components declare beside themselves.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from torch.distributed.tensor import DTensor
+from tqdm.auto import tqdm
+
+from infra.checkpoint import (
+    CheckpointConfig,
+    CheckpointError,
+    CheckpointManager,
+    RetentionConfig,
+    RetentionPolicy,
+    SaveClock,
+    SaveClockConfig,
+)
+from infra.config import require
+from infra.consensus import StepConsensus
+from infra.data import DataArguments, DataCursor, ResumableLoader, SampleTrace, eval_batches
+from infra.distributed import ready_for_fsdp
+from infra.environment import environment_facts
+from infra.export import Exporter
+from infra.guard import NonFiniteConfig, NonFiniteGuard
+from infra.health import STRAGGLER_EXIT_CODE, HealthConfig, Heartbeat, StragglerDetector, check_replicas_in_sync
+from infra.lock import claim
+from infra.metrics import TrainMetrics
+from infra.optim import OptimizerConfig, build_optimizer, build_scheduler
+from infra.precision import PrecisionConfig
+from infra.preemption import Preemption, PreemptionConfig, clear_stop_record, write_stop_record
+from infra.preflight import EtaCheck, PreflightConfig, run_preflight
+from infra.recipe import Data, exit_on
+from infra.tracking import MetricLogger, TrackingConfig, end_run, last_logged_step, run_name_for, run_tags, start_run, tracking_uri
+
+Batch = torch.Tensor | dict[str, torch.Tensor]
+
+
+@dataclass
+class LoopConfig:
+    """Loop, logging and eval flags (part of TrainingArguments)."""
+
+    output_dir: str = field(default="runs/default", metadata={"help": "Where checkpoints, the exported model and logs go."})
+    seed: int = field(default=42, metadata={"help": "Seed for model init, data order and dropout."})
+    max_steps: int = field(default=200, metadata={"help": "Optimizer steps to train for."})
+    per_device_train_batch_size: int = field(default=8, metadata={"help": "Samples per process per micro-step."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-steps per optimizer step."})
+    logging_steps: int = field(default=10, metadata={"help": "Log metrics every N optimizer steps."})
+    eval_steps: int = field(
+        default=0,
+        metadata={"help": "Evaluate on the held-out samples every N optimizer steps (0: only at the end); recipes without eval ignore it."},
+    )
+    per_device_eval_batch_size: int = field(default=8, metadata={"help": "Samples per process per eval batch."})
+
+    def __post_init__(self):
+        for name in (
+            "max_steps",
+            "per_device_train_batch_size",
+            "per_device_eval_batch_size",
+            "gradient_accumulation_steps",
+            "logging_steps",
+        ):
+            require(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
+        require(self.eval_steps >= 0, "eval_steps", self.eval_steps, "an integer >= 0")
+
+
+@dataclass
+class TrainingArguments(
+    TrackingConfig,
+    PreflightConfig,
+    HealthConfig,
+    NonFiniteConfig,
+    PreemptionConfig,
+    CheckpointConfig,
+    RetentionConfig,
+    SaveClockConfig,
+    PrecisionConfig,
+    OptimizerConfig,
+    LoopConfig,
+):
+    """What every recipe shares: each section is declared, documented and validated beside the component that reads
+    it (a new flag goes there). Flat on the command line and in YAML; names follow `transformers.TrainingArguments`
+    where a field means the same thing; MLflow and checkpoints record them as `TrainingArguments.<name>`."""
+
+    def __post_init__(self):
+        for section in reversed(type(self).__mro__[1:]):  # each section's own checks, LoopConfig's first
+            if "__post_init__" in vars(section):
+                vars(section)["__post_init__"](self)
+
+
+def check_data_and_training(data_args: DataArguments, args: TrainingArguments) -> None:
+    """What neither section can check alone."""
+    if args.keep_best and args.metric_for_best_model.startswith("eval/"):
+        require(
+            data_args.eval_samples > 0, "eval_samples", data_args.eval_samples, f"> 0 to rank checkpoints by {args.metric_for_best_model}"
+        )
+
+
+@dataclass
+class Job:
+    """What a recipe hands to the Trainer: its model and data, and the few things only it knows."""
+
+    name: str  # the recipe: MLflow experiment (unless set), tags, model card
+    model: torch.nn.Module  # not prepared yet: the Trainer builds the optimizer, schedule and loader, then prepares
+    data: Data
+    loss: Callable[[torch.nn.Module, Batch], torch.Tensor]  # the training loss of one micro-batch
+    processor: Any  # tokenizer or image processor, exported next to the weights
+    task: str  # MLflow transformers task of the export: text-generation, text-classification, image-classification
+    evaluate: Callable[[Accelerator, torch.nn.Module, Iterable[Batch]], dict[str, float]] | None = None
+    unit: str = "tokens"  # what throughput counts: perf/{unit}_per_second, train/{unit}_seen
+    units_per_sample: int = 1
+    flops_per_unit: float | None = None  # training FLOPs per unit, for perf/mfu on known GPUs
+
+
+class TrainState:
+    """Loop counters that must survive a restart, kept in the checkpoint's manifest."""
+
+    def __init__(self):
+        self.step = 0
+        self.tokens_seen = 0
+        self.skipped_steps = 0  # optimizer steps skipped for a non-finite loss or gradient
+        self.rollbacks = 0  # returns to a checkpoint after too many of them in a row
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps, "rollbacks": self.rollbacks}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.rollbacks = int(state.get("rollbacks", 0))
+
+
+class Hooks:
+    """Points where a test acts on the loop (infra.testing.Faults); these do nothing."""
+
+    def on_loss(self, loss: torch.Tensor, batch: int) -> torch.Tensor:
+        """The loss of the `batch`-th micro-batch since the run began, inside the timed forward pass."""
+        return loss
+
+    def on_step_end(self, step: int) -> None:
+        """After optimizer step `step`, before its heartbeat."""
+
+    def before_commit(self, step: int) -> None:
+        """Between a synchronous save_state and its commit."""
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did, as every rank agrees."""
+
+    loss: torch.Tensor  # the sum of its micro-batches' losses (on the device)
+    grad_norm: torch.Tensor | float | None
+    skipped: bool  # non-finite loss or gradients on some rank: no optimizer step
+    save_due: bool
+    preempted: str | None  # the signal (SIGTERM or SIGUSR1) that reached some rank
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    if isinstance(batch, dict):
+        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    return batch.to(device, non_blocking=True)
+
+
+def build_loader(accelerator: Accelerator, data: Data, data_args: DataArguments, args: TrainingArguments):
+    """This rank's resumable loader over the training samples, and its cursor."""
+    cursor = DataCursor()
+    try:
+        loader = ResumableLoader(
+            data.train,
+            args.per_device_train_batch_size,
+            args.seed,
+            accelerator.process_index,
+            accelerator.num_processes,
+            cursor,
+            num_workers=data_args.num_workers,
+            shuffle_window=data_args.shuffle_window,
+            pin_memory=accelerator.device.type == "cuda",
+        )
+    except ValueError as err:
+        raise SystemExit(f"data error: {err}") from None
+    if 0 < len(data.held_out) < accelerator.num_processes:
+        raise SystemExit(
+            f"data error: eval_samples={len(data.held_out)} is fewer than the {accelerator.num_processes} processes evaluating it"
+        )
+    return loader, cursor
+
+
+class Trainer:
+    """Prepare, preflight, resume, train to max_steps (or a stop), save, export. Built and run on every rank."""
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        args: TrainingArguments,
+        data_args: DataArguments,
+        config: dict,
+        job: Job,
+        hooks: Hooks | None = None,
+    ):
+        acc = self.accelerator = accelerator
+        self.args, self.data_args, self.config, self.job = args, data_args, config, job
+        self.hooks = hooks or Hooks()
+        claim(acc, args.output_dir)  # one job per output_dir: before anything is written, held to the end
+        if acc.is_main_process:
+            clear_stop_record(args.output_dir)
+        ready_for_fsdp(acc, job.model)  # before the optimizer takes the parameters
+        optimizer = build_optimizer(job.model, args)
+        self.loader, self.cursor = build_loader(acc, job.data, data_args, args)
+        self.model, self.optimizer = acc.prepare(job.model, optimizer)
+        self.scheduler = acc.prepare_scheduler(build_scheduler(self.optimizer, args, args.max_steps))
+        self.units_per_step = self.loader.global_batch_size * args.gradient_accumulation_steps * job.units_per_sample
+
+        self.state = TrainState()
+        self.retention = RetentionPolicy(args)
+        self.checkpoints = CheckpointManager(acc, args.output_dir, config, self.retention, before_commit=self.hooks.before_commit)
+        self.clock = SaveClock(args)
+        self.preemption = Preemption(args.preemption_grace_seconds)
+        self.consensus = StepConsensus(acc, self.clock, self.preemption)
+        self.guard = NonFiniteGuard(acc, args, self.checkpoints, args.verify_checksums)
+        self.metrics = TrainMetrics(acc, job.unit, job.flops_per_unit)
+        self.exporter = Exporter(acc, args.output_dir, job.name, job.processor, job.task, config)
+        self.stragglers = StragglerDetector(acc, self.model, args.straggler_window_steps, args.straggler_factor, args.straggler_patience)
+        self.heartbeat = Heartbeat(acc, args.ddp_timeout, args.ddp_step_timeout)
+        # set by resume(): they depend on the checkpoint resumed from
+        self.tracker: MetricLogger | None = None
+        self.trace: SampleTrace | None = None
+        self.run_id: str | None = None
+        self.latest: dict[str, float] = {}  # the latest of each metric, eval included: checkpoints and keep_best read them
+
+    def run(self) -> None:
+        """Everything, on every rank: the steps of a run, and one exit."""
+        args, state = self.args, self.state
+        save_seconds = self.preflight()
+        if args.preflight_only:
+            self.accelerator.end_training()  # the process group destroyed before exit, as on every agreed exit
+            return
+        self.resume(save_seconds)
+        stop = None
+        with self.preemption.armed():
+            with self.heartbeat.explaining():
+                while state.step < args.max_steps and stop is None:
+                    result = self.step()
+                    self.after_step(result)
+                    if result.skipped and self.guard.must_act():
+                        self.roll_back()
+                        continue
+                    if state.step % args.logging_steps == 0 or state.step == args.max_steps:
+                        self.log(result)
+                    stop = self.stop_reason(result)
+                    if self.eval_due():
+                        self.evaluate()
+                    last = stop is not None or state.step == args.max_steps
+                    if last or (result.save_due and self.guard.clean):  # no scheduled save amid non-finite steps
+                        self.save(last=last)
+            self.bar.close()
+            if self.trace:
+                self.trace.close()
+            if stop is None:
+                self.export()
+            self.close(stop)
+
+    def preflight(self) -> float:
+        """Devices, a collective, data, a checkpoint round trip, disk, MLflow: nothing trains if one fails. The seconds a save took."""
+        args = self.args
+        if not (args.preflight or args.preflight_only):
+            return 0.0
+        return run_preflight(
+            self.accelerator,
+            self.model,
+            self.job.data.dataset,
+            args.output_dir,
+            self.retention.most_kept(args.max_steps, args.save_steps),
+            tracking_uri() if args.report_to == "mlflow" else None,
+            data_checksums=self.job.data.preflight_hashes,
+        )
+
+    def resume(self, save_seconds: float = 0.0) -> None:
+        """The newest checkpoint that verifies (counters and cursor from its manifest: nothing of ours is unpickled), the same
+        MLflow run, and the loop's meters from that step."""
+        acc, args, state = self.accelerator, self.args, self.state
+        with exit_on(CheckpointError, "checkpoint error"):
+            path, manifest = self.checkpoints.resume(args.resume_from_checkpoint, checksums=args.verify_checksums)
+        if manifest:
+            state.load_state_dict(manifest)
+            self.cursor.load_state_dict(manifest["cursor"])
+        self.clock.restart()
+        if save_seconds and args.save_interval_minutes == "auto":  # Young/Daly from the preflight's save, not a default
+            acc.print(f"a save takes {save_seconds:.1f}s: saving every {self.clock.saved(save_seconds):.1f} min (Young/Daly)")
+        if args.report_to == "mlflow":
+            self.run_id = start_run(
+                acc,
+                args.experiment_name or self.job.name,
+                run_name_for(self.config, args),
+                self.config,
+                args.output_dir,
+                run_id=manifest.get("mlflow_run_id"),
+                tags=run_tags(acc, self.job.name, state.step),
+                restart=args.resume_from_checkpoint == "auto",
+            )
+        # steps logged after the checkpoint and before a crash come again, identical: not twice in the run
+        self.tracker = MetricLogger(self.run_id, f"{args.output_dir}/unsent_metrics.jsonl", logged_through=last_logged_step(self.run_id))
+        acc.print(
+            f"world size {acc.num_processes} ({acc.distributed_type.value}), "
+            f"{'resumed at step ' + str(state.step) + ' from ' + str(path) if path else 'starting fresh'}, {self.cursor}"
+        )
+        self.trace = SampleTrace(args.output_dir, acc.process_index, state.step) if self.data_args.trace_samples else None
+        self.latest = manifest.get("metrics", {})
+        self.facts = environment_facts(acc)  # versions, git state: once, not at every save
+        self.batches = iter(self.loader)
+        self.eta = EtaCheck(acc, state.step, args.max_steps, self.units_per_step, args.time_budget_hours, unit=self.job.unit)
+        self.bar = tqdm(total=args.max_steps, initial=state.step, desc="train", disable=not acc.is_local_main_process)
+        self.model.train()
+
+    def step(self) -> StepResult:
+        """One optimizer step: accumulation, clipping, the ranks' agreement, then the update unless a rank saw a non-finite value."""
+        acc, args, state = self.accelerator, self.args, self.state
+        step_loss = torch.zeros((), device=acc.device)
+        for _ in range(args.gradient_accumulation_steps):
+            waiting = time.perf_counter()
+            batch = to_device(next(self.batches), acc.device)
+            waited = time.perf_counter() - waiting
+            self.metrics.meter.waited(waited)
+            self.stragglers.waited(waited)
+            if self.trace:
+                self.trace.write(state.step + 1, self.loader.last_sample_ids)
+            with acc.accumulate(self.model):
+                with self.stragglers.compute():
+                    loss = self.hooks.on_loss(self.job.loss(self.model, batch), self.loader.batches_consumed)
+                acc.backward(loss)
+            step_loss += loss.detach()
+        grad_norm = acc.clip_grad_norm_(self.model.parameters(), args.max_grad_norm) if args.max_grad_norm else None
+        if isinstance(grad_norm, DTensor):  # FSDP2's norm of sharded gradients
+            grad_norm = grad_norm.full_tensor()
+        agreed = self.consensus.agree(state.step + 1, self.guard.flag(step_loss, grad_norm))
+        steps = self.guard.record(agreed.nonfinite, state)
+        if not agreed.nonfinite:
+            self.metrics.add_loss(step_loss, args.gradient_accumulation_steps)
+        if steps:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        state.step += 1
+        state.tokens_seen += self.units_per_step
+        self.metrics.meter.add(self.units_per_step)
+        return StepResult(step_loss, grad_norm, agreed.nonfinite, agreed.save_due, agreed.signal)
+
+    def after_step(self, result: StepResult) -> None:
+        """Progress, the test hooks, this rank's heartbeat, the pace after the first steps, a skipped step's count."""
+        step = self.state.step
+        self.bar.update()
+        self.hooks.on_step_end(step)
+        self.heartbeat.beat(step)
+        if pace := self.eta.step(step):
+            self.tracker.log(pace, step=step)
+        if result.skipped:
+            self.tracker.log({"health/skipped_steps": self.state.skipped_steps}, step=step)
+
+    def roll_back(self) -> None:
+        """After max_bad_steps non-finite steps in a row: the guard reloads the newest checkpoint (or stops); the loop's
+        window starts again from its step."""
+        manifest = self.guard.act(self.state, self.cursor, self.heartbeat.relaxed)
+        self.latest = manifest.get("metrics", {})
+        self.tracker.log({"health/rollbacks": self.state.rollbacks}, step=self.state.step)
+        self.metrics.reset_loss()
+        self.bar.n = self.state.step
+        if self.trace:
+            self.trace.close()
+            self.trace = SampleTrace(self.args.output_dir, self.accelerator.process_index, self.state.step)
+
+    def log(self, result: StepResult) -> None:
+        state = self.state
+        logged, mean_loss = self.metrics.collect(self.scheduler.get_last_lr()[0], state.tokens_seen, self.cursor.epoch, result.grad_norm)
+        self.tracker.log(logged, step=state.step)
+        self.latest |= logged
+        unit = self.job.unit
+        self.bar.set_postfix({"loss": f"{mean_loss:.3f}", f"{unit}/s": f"{logged[f'perf/{unit}_per_second']:.0f}"})
+
+    def stop_reason(self, result: StepResult) -> dict | None:
+        """Why to save and stop after this step (the stop record), or None: a preemption, or a straggler to exclude.
+        Decided from agreed or gathered values: the same on every rank."""
+        ratios, report, slow = self.stragglers.step()
+        if ratios:
+            self.tracker.log(ratios, step=self.state.step)
+        if report:
+            self.accelerator.print(report)
+        if result.preempted:
+            return {"reason": "preempted", "signal": result.preempted}
+        if slow and self.args.straggler_action == "checkpoint_and_exit":
+            return {"reason": "straggler", "hosts": sorted({self.stragglers.hosts[rank] for rank in slow})}
+        return None
+
+    def eval_due(self) -> bool:
+        args, step = self.args, self.state.step
+        can = len(self.job.data.held_out) > 0 and self.job.evaluate is not None
+        return can and (step == args.max_steps or (args.eval_steps > 0 and step % args.eval_steps == 0))
+
+    def evaluate(self) -> dict[str, float]:
+        """The recipe's eval over the held-out samples, every rank its share; logged and kept for keep_best."""
+        acc = self.accelerator
+        self.model.eval()
+        ranks = (acc.process_index, acc.num_processes)
+        batches = (to_device(b, acc.device) for b in eval_batches(self.job.data.held_out, self.args.per_device_eval_batch_size, *ranks))
+        with torch.no_grad():
+            scores = self.job.evaluate(acc, self.model, batches)
+        self.model.train()
+        self.latest.update(scores)  # kept until the next eval: keep_best may rank checkpoints by an eval/ metric
+        self.tracker.log(scores, step=self.state.step)
+        if acc.is_main_process:
+            self.bar.write(f"step {self.state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
+        return scores
+
+    def save(self, last: bool = False) -> None:
+        """A checkpoint of this step (in the background with async_save, except the last one), and its cost logged."""
+        args, state = self.args, self.state
+        if self.trace:
+            self.trace.flush()
+        start = time.perf_counter()
+        # a copy of the metrics: a background save writes its manifest later, while the loop goes on updating them
+        facts = {**state.state_dict(), "cursor": self.cursor.state_dict(), "metrics": dict(self.latest), "mlflow_run_id": self.run_id}
+        with exit_on(CheckpointError, "checkpoint error"), self.heartbeat.relaxed():  # a long synchronous save is not a hang
+            self.checkpoints.save(state.step, {**facts, **self.facts}, background=args.async_save and not last)
+        seconds = time.perf_counter() - start
+        if (minutes := self.clock.saved(seconds)) is not None:
+            self.accelerator.print(f"a save takes {seconds:.1f}s: saving every {minutes:.1f} min (Young/Daly, MTBF {args.mtbf_hours:g} h)")
+        self.tracker.log({"checkpoint/save_seconds": seconds, "checkpoint/interval_minutes": self.clock.interval / 60}, step=state.step)
+
+    def export(self) -> None:
+        """At max_steps: the replicas must agree; then final/, loadable with from_pretrained."""
+        check_replicas_in_sync(self.accelerator, self.model)
+        state, unit = self.state, self.job.unit
+        final = self.exporter.export(self.model, {"step": state.step, f"{unit}_seen": state.tokens_seen, **self.latest})
+        self.accelerator.print(f"done: step {state.step}, {state.tokens_seen} {unit}; model exported to {final}")
+
+    def close(self, stop: dict | None) -> None:
+        """The one exit: after a stop, its record for the batch script (requeue or not) and the MLflow run KILLED; else the
+        model logged on request and the run FINISHED; then the process group destroyed. A straggler exits with 75."""
+        acc, state = self.accelerator, self.state
+        if stop is not None:
+            if acc.is_main_process:
+                write_stop_record(self.args.output_dir, state.step, stop)
+            if stop["reason"] == "preempted":
+                acc.print(f"preempted ({stop['signal']}): saved step {state.step}; the next launch resumes from it")
+            else:
+                acc.print(
+                    f"straggler: saved step {state.step}; exiting with code {STRAGGLER_EXIT_CODE} so the job restarts without the slow rank"
+                )
+        self.tracker.close()
+        if stop is None and self.args.log_model:
+            self.exporter.log_to_mlflow(self.args.register_model)
+        end_run("FINISHED" if stop is None else "KILLED")
+        acc.end_training()
+        if stop is not None and stop["reason"] == "straggler":
+            raise SystemExit(STRAGGLER_EXIT_CODE)
+
+
+def train(accelerator: Accelerator, args: TrainingArguments, data_args: DataArguments, config: dict, job: Job) -> None:
+    """Build the Trainer and run it; called on every rank by each recipe. Test hooks come from the environment
+    (infra.testing): none in a normal run."""
+    from infra.testing import hooks_from_env
+
+    Trainer(accelerator, args, data_args, config, job, hooks=hooks_from_env(accelerator.process_index)).run()
