@@ -34,7 +34,7 @@ class StepConsensus:
         self.accelerator, self.clock, self.preemption = accelerator, clock, preemption
 
     def agree(self, step: int, nonfinite: torch.Tensor | None = None) -> Agreement:
-        """The agreement at the end of `step`; `nonfinite` is this rank's flag (a 0-dim tensor, see health.nonfinite)."""
+        """The agreement at the end of `step`; `nonfinite` is this rank's flag (a 0-dim tensor, see guard.nonfinite)."""
         due = self.accelerator.is_main_process and self.clock.by_time()
         device = self.accelerator.device
         flags = [] if nonfinite is None else [nonfinite.float().reshape(1)]

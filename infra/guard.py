@@ -17,8 +17,20 @@ from accelerate.utils import DistributedType
 from infra.checkpoint import CheckpointError, CheckpointManager
 from infra.config import require
 from infra.data import DataCursor
-from infra.health import nonfinite
 from infra.recipe import exit_on
+
+
+def nonfinite(loss: torch.Tensor, grad_norm: torch.Tensor | float | None) -> torch.Tensor:
+    """1.0 where this rank's loss (or gradient norm) is NaN or infinite, as a 0-dim tensor on the loss's device.
+
+    Left on the device so that it can join the step's one all-reduce (StepConsensus): one
+    rank's NaN reaches the others through the gradient all-reduce, but not through the loss, and
+    not at all when clipping is off; agreeing on the flag makes every rank skip (or roll back) together.
+    """
+    bad = ~torch.isfinite(loss.detach().float())
+    if grad_norm is not None:
+        bad = bad | ~torch.isfinite(torch.as_tensor(grad_norm, device=loss.device, dtype=torch.float32))
+    return bad.float().reshape(())
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Health checks the recipes run around training: replicas in sync, non-finite steps, stragglers, hangs."""
+"""Health checks around training: replicas in sync, stragglers, hangs (non-finite steps: infra.guard)."""
 
 from __future__ import annotations
 
@@ -78,23 +78,6 @@ def check_replicas_in_sync(accelerator: Accelerator, model: torch.nn.Module) -> 
         raise DesyncError(f"data-parallel replicas diverged: parameter fingerprints by rank {fingerprints}")
     accelerator.print(f"parameters identical on all {len(fingerprints)} ranks: fingerprints {fingerprints}")
     return fingerprints
-
-
-# ---------------------------------------------------------------------------------------------
-# Non-finite loss or gradients
-
-
-def nonfinite(loss: torch.Tensor, grad_norm: torch.Tensor | float | None) -> torch.Tensor:
-    """1.0 where this rank's loss (or gradient norm) is NaN or infinite, as a 0-dim tensor on the loss's device.
-
-    Left on the device so that it can join the step's one all-reduce (StepConsensus): one
-    rank's NaN reaches the others through the gradient all-reduce, but not through the loss, and
-    not at all when clipping is off; agreeing on the flag makes every rank skip (or roll back) together.
-    """
-    bad = ~torch.isfinite(loss.detach().float())
-    if grad_norm is not None:
-        bad = bad | ~torch.isfinite(torch.as_tensor(grad_norm, device=loss.device, dtype=torch.float32))
-    return bad.float().reshape(())
 
 
 # ---------------------------------------------------------------------------------------------

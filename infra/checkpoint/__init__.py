@@ -1,6 +1,7 @@
 """Checkpoints: one concern per module.
 
-- `manager`: save (synchronous or in the background), commit, resume the newest that verifies, prune;
+- `manager`: save, commit, resume the newest that verifies, prune;
+- `staging`: background saves (`async_save`): the state copied to CPU memory, written from a thread;
 - `integrity`: checksums and sizes in the manifest, sealed by every rank's share, checked before a load;
 - `retention`: which checkpoints are kept (and how many, for the disk preflight);
 - `clock`: when a save is due (steps, minutes, Young/Daly).

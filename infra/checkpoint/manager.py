@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list
 
 from infra.checkpoint.integrity import MANIFEST, CheckpointError, Checksums, fsync_dirs, problem, read_manifest, seal, seal_shared, share
 from infra.checkpoint.retention import RetentionConfig, RetentionPolicy
+from infra.checkpoint.staging import CpuStaging
 from infra.config import require, to_json
 from infra.distributed import all_ranks_ok, gathered
 from infra.files import atomic_write_text, drop_cached, fsync_dir
@@ -74,16 +74,6 @@ class CheckpointConfig:
             )
 
 
-class _Frozen:
-    """Stands in for an optimizer or scheduler whose state was copied: `state_dict()` returns the copy."""
-
-    def __init__(self, state: dict):
-        self._state = state
-
-    def state_dict(self) -> dict:
-        return self._state
-
-
 class CheckpointManager:
     """Save, commit, verify, resume and prune the checkpoints of one output_dir."""
 
@@ -104,7 +94,7 @@ class CheckpointManager:
         self.before_commit = before_commit
         self._background: threading.Thread | None = None  # a background save, or pruning
         self._background_error: tuple[int, Exception] | None = None
-        self._staging: dict[tuple, torch.Tensor] = {}  # CPU buffers of background saves, reused from one to the next
+        self._staging = CpuStaging()  # CPU copies of background saves
 
     def _remove_leftovers(self) -> None:
         """Before resuming: what interrupted saves left is removed (on rank 0; every rank waits)."""
@@ -230,7 +220,7 @@ class CheckpointManager:
         error, staged = None, None
         try:
             if background:
-                staged = self._stage(work)
+                staged = self._staging.stage(acc, work)
             else:
                 acc.save_state(str(work))
         except Exception as err:  # OSError, and what libraries wrap it in (safetensors raises its own type)
@@ -267,68 +257,9 @@ class CheckpointManager:
         os.rename(work, final)
         fsync_dir(self.root)
 
-    def _stage(self, work: Path):
-        """This rank's RNG state to `work` now; on rank 0, CPU copies of what save_state would write."""
-        from accelerate.checkpointing import save_accelerator_state
-
-        acc = self.accelerator
-        rng = work / f".rng{acc.process_index}"
-        rng.mkdir(parents=True)
-        save_accelerator_state(str(rng), [], [], [], [], acc.process_index, acc.step, acc.scaler)  # writes only RNG files
-        for f in rng.iterdir():
-            os.replace(f, work / f.name)
-        rng.rmdir()
-        if not acc.is_main_process:
-            return None
-        # One CPU buffer per tensor view, so tied weights stay tied. The buffers of the previous save
-        # are reused (its writer has finished): allocating and first touching 1.3 GB of fresh memory
-        # costs more than the copy itself. So rank 0 holds one CPU copy of the state while async_save
-        # is on. Pinned for GPU tensors, for an asynchronous device-to-host copy.
-        previous, copies = self._staging, {}
-        on_gpu = False
-
-        def to_cpu(value):
-            nonlocal on_gpu
-            if isinstance(value, torch.Tensor):
-                key = (
-                    value.device,
-                    value.untyped_storage().data_ptr(),
-                    value.storage_offset(),
-                    value.stride(),
-                    tuple(value.shape),
-                    value.dtype,
-                )
-                if key not in copies:
-                    buffer = previous.pop(key, None)
-                    if buffer is None:
-                        buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
-                    copies[key] = buffer.copy_(value.detach(), non_blocking=value.is_cuda)
-                    on_gpu |= value.is_cuda
-                return copies[key]
-            if isinstance(value, dict):  # keeps OrderedDict: accelerate de-duplicates tied weights only in one
-                return type(value)((k, to_cpu(v)) for k, v in value.items())
-            if isinstance(value, list | tuple):
-                return type(value)(to_cpu(v) for v in value)
-            return value
-
-        weights = [to_cpu(acc.get_state_dict(m, unwrap=False)) for m in acc._models]
-        optimizers = [_Frozen(to_cpu(o.state_dict())) for o in acc._optimizers]
-        schedulers = [_Frozen(to_cpu(s.state_dict())) for s in acc._schedulers]
-        if on_gpu:
-            torch.cuda.synchronize()  # the non-blocking copies have landed before training changes the source
-        self._staging = copies
-        return weights, optimizers, schedulers
-
     def _write_and_commit(self, work: Path, final: Path, step: int, manifest: dict[str, Any], staged) -> None:
-        from accelerate.checkpointing import RNG_STATE_NAME, save_accelerator_state
-
-        acc = self.accelerator
         try:
-            weights, optimizers, schedulers = staged
-            rng = work / f"{RNG_STATE_NAME}_{acc.process_index}.pkl"
-            kept = rng.read_bytes()  # save_accelerator_state writes the RNG as it is now: put back the staged one
-            save_accelerator_state(str(work), weights, optimizers, schedulers, [], acc.process_index, acc.step, None)
-            rng.write_bytes(kept)
+            self._staging.write(self.accelerator, work, staged)
             self._commit(work, final, step, manifest)
             self.prune()
         except Exception as err:
