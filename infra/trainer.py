@@ -23,7 +23,7 @@ components declare beside themselves.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -252,6 +252,10 @@ class Trainer:
         self.trace: SampleTrace | None = None
         self.run_id: str | None = None
         self.latest: dict[str, float] = {}  # the latest of each metric, eval included: checkpoints and keep_best read them
+        self.facts: dict[str, Any] = {}  # versions, git state: recorded in every checkpoint
+        self.batches: Iterator[Batch] | None = None  # the loader's, from the resumed cursor
+        self.eta: EtaCheck | None = None
+        self.bar: tqdm | None = None
 
     def run(self) -> None:
         """Everything, on every rank: the steps of a run, and one exit."""
