@@ -50,22 +50,24 @@ class TrainMetrics:
         self.meter = Throughput(unit)
         self.loss_sum, self.loss_count = torch.zeros((), device=accelerator.device), 0
 
-    def add_loss(self, step_loss: torch.Tensor, micro_batches: int) -> None:
-        """A finite step's summed micro-batch losses (left on the device: read at the next log)."""
-        self.loss_sum += step_loss
-        self.loss_count += micro_batches
+    def add_loss(self, loss_sum: torch.Tensor, items: torch.Tensor | float) -> None:
+        """A finite step: this rank's loss summed over its items, and the items of the whole step (every rank). Left on
+        the device: read at the next log."""
+        self.loss_sum += loss_sum
+        self.loss_count += items
 
     def reset_loss(self) -> None:
         self.loss_sum.zero_()
         self.loss_count = 0
 
     def collect(self, learning_rate: float, units_seen: int, epoch: int, grad_norm) -> tuple[dict[str, float], float]:
-        """The metrics of the window since the last call (one reduce of the loss across ranks), and its mean loss (NaN when
-        every step of the window was skipped; the count is the same on every rank)."""
+        """The metrics of the window since the last call, and its mean loss per item over every rank (one reduce of the
+        loss across ranks; NaN when every step of the window was skipped: the count is the same on every rank)."""
         acc = self.accelerator
-        mean_loss = acc.reduce(self.loss_sum, "mean").item() / self.loss_count if self.loss_count else math.nan
+        count = float(self.loss_count)
+        mean_loss = acc.reduce(self.loss_sum, "sum").item() / count if count else math.nan
         logged: dict[str, Any] = {
-            **({"train/loss": mean_loss} if self.loss_count else {}),
+            **({"train/loss": mean_loss} if count else {}),
             "train/learning_rate": learning_rate,
             f"train/{self.unit}_seen": units_seen,
             "train/epoch": epoch,

@@ -20,7 +20,7 @@ import re
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -28,6 +28,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
+from infra.config import require
 from infra.data import DataArguments, PackedDataset, check_fits_model
 from infra.distributed import LaunchError, build_accelerator
 from infra.metrics import flops_per_token
@@ -81,6 +82,45 @@ def causal_lm_flops(model: torch.nn.Module, dataset: PackedDataset, eos_token_id
         check_fits_model(dataset.index, eos_token_id, model.config)
     c = model.config
     return flops_per_token(sum(p.numel() for p in model.parameters()), c.num_hidden_layers, c.hidden_size, dataset.seq_len)
+
+
+ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2")
+
+
+@dataclass
+class AttentionArguments:
+    """The attention kernel of a recipe's transformers model: its ModelArguments inherit this (and call its checks
+    from their own __post_init__)."""
+
+    attn_implementation: str | None = field(
+        default=None,
+        metadata={
+            "help": "Attention kernel: sdpa, eager, flex_attention, or flash_attention_2 (a CUDA GPU and the flash-attn "
+            "package); None: transformers' default for the model (sdpa where the model has it). Recorded as an MLflow tag."
+        },
+    )
+
+    def __post_init__(self):
+        name = self.attn_implementation
+        if name is None:
+            return
+        require(name in ATTENTION, "attn_implementation", name, f"one of {', '.join(ATTENTION)} (or null)")
+        if name == "flash_attention_2":
+            from transformers.utils import is_flash_attn_2_available
+
+            accepted = "an installed kernel: flash_attention_2 needs a CUDA GPU and the flash-attn package; sdpa runs anywhere"
+            require(is_flash_attn_2_available(), "attn_implementation", name, accepted)
+
+
+def attention_of(model: torch.nn.Module) -> str | None:
+    """The attention kernel a transformers model runs with (None for a model without attention, a ResNet say)."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
+def predicted_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """The tokens a causal LM's loss counts (its `items`): each sample's labels after the first that are not -100
+    (transformers shifts the labels by one inside the model)."""
+    return (labels[..., 1:] != -100).sum()
 
 
 def run_recipe(main: Callable[[], None]) -> NoReturn:

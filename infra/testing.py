@@ -9,6 +9,8 @@ The launch tests start real recipes, so the faults travel in the environment:
   that dies at a step (in the first incarnation of the group only, so that an elastic restart gets past it).
 - `INFRA_TEST_PAUSE_IN_SAVE`: seconds to pause after save_state and before the commit, so a test can kill a
   save midway.
+- `INFRA_TEST_DUMP_GRADS`: a folder where rank 0 writes `step1.pt` before the first optimizer step: the gradient
+  norm, and the gradients where the rank holds them whole (DDP, one process; DeepSpeed has stepped already).
 
 Production runs get `Hooks()`, whose methods do nothing.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -25,10 +28,12 @@ from infra.trainer import Hooks
 
 FAULTS_ENV = "INFRA_TEST_FAULTS"
 PAUSE_ENV = "INFRA_TEST_PAUSE_IN_SAVE"
+GRADS_ENV = "INFRA_TEST_DUMP_GRADS"
 
 
 class Faults(Hooks):
-    def __init__(self, rank: int, spec: dict, pause_in_save: float = 0.0):
+    def __init__(self, rank: int, spec: dict, pause_in_save: float = 0.0, grads_dir: str = ""):
+        self.grads_dir = grads_dir if rank == 0 else ""
         active = spec.get("rank", 1) == rank
         self.nan_batches = set(spec.get("nan_batches", [])) if active else set()
         self.slow_seconds = float(spec.get("slow_seconds", 0)) if active else 0.0
@@ -56,11 +61,20 @@ class Faults(Hooks):
         if self.pause_in_save:
             time.sleep(self.pause_in_save)
 
+    def before_optimizer_step(self, step: int, model: torch.nn.Module, grad_norm) -> None:
+        if not self.grads_dir or step != 1:
+            return
+        inner = getattr(model, "module", model)  # DDP's wrapped model: parameter names as the model has them
+        grads = {name: p.grad.detach().float().cpu().clone() for name, p in inner.named_parameters() if p.grad is not None}
+        norm = None if grad_norm is None else float(grad_norm)
+        torch.save({"grad_norm": norm, "grads": grads}, Path(self.grads_dir) / "step1.pt")
+
 
 def hooks_from_env(rank: int) -> Hooks:
     """Faults when a test asked for them in the environment, else the inert Hooks()."""
     spec = os.environ.get(FAULTS_ENV, "")
     pause = float(os.environ.get(PAUSE_ENV, 0) or 0)
-    if not spec and not pause:
+    grads_dir = os.environ.get(GRADS_ENV, "")
+    if not spec and not pause and not grads_dir:
         return Hooks()
-    return Faults(rank, json.loads(spec or "{}"), pause)
+    return Faults(rank, json.loads(spec or "{}"), pause, grads_dir)

@@ -55,7 +55,7 @@ from infra.optim import OptimizerConfig, build_optimizer, build_scheduler
 from infra.precision import PrecisionConfig
 from infra.preemption import Preemption, PreemptionConfig, clear_stop_record, write_stop_record
 from infra.preflight import EtaCheck, PreflightConfig, run_preflight
-from infra.recipe import Data, exit_on
+from infra.recipe import Data, attention_of, exit_on
 from infra.tracking import MetricLogger, TrackingConfig, end_run, last_logged_step, run_name_for, run_tags, start_run, tracking_uri
 
 Batch = torch.Tensor | dict[str, torch.Tensor]
@@ -128,13 +128,17 @@ class Job:
     name: str  # the recipe: MLflow experiment (unless set), tags, model card
     model: torch.nn.Module  # not prepared yet: the Trainer builds the optimizer, schedule and loader, then prepares
     data: Data
-    loss: Callable[[torch.nn.Module, Batch], torch.Tensor]  # the training loss of one micro-batch
+    # The training loss of one micro-batch: summed over its items and divided by the Trainer's `num_items_in_batch`
+    # (transformers' models take it as a keyword), so that the gradient of the optimizer step is that of the mean
+    # loss per item over every micro-batch of every rank, whatever the accumulation and the world size.
+    loss: Callable[[torch.nn.Module, Batch, torch.Tensor], torch.Tensor]
     processor: Any  # tokenizer or image processor, exported next to the weights
     task: str  # MLflow transformers task of the export: text-generation, text-classification, image-classification
     evaluate: Callable[[Accelerator, torch.nn.Module, Iterable[Batch]], dict[str, float]] | None = None
     unit: str = "tokens"  # what throughput counts: perf/{unit}_per_second, train/{unit}_seen
     units_per_sample: int = 1
     flops_per_unit: float | None = None  # training FLOPs per unit, for perf/mfu on known GPUs
+    items: Callable[[Batch], torch.Tensor] | None = None  # what `loss` sums over in a micro-batch (tokens, say); None: samples
 
 
 class TrainState:
@@ -169,6 +173,9 @@ class Hooks:
     def before_commit(self, step: int) -> None:
         """Between a synchronous save_state and its commit."""
 
+    def before_optimizer_step(self, step: int, model: torch.nn.Module, grad_norm) -> None:
+        """After the backward passes and clipping of `step`, before the optimizer steps (DeepSpeed has stepped already)."""
+
 
 @dataclass
 class StepResult:
@@ -179,6 +186,10 @@ class StepResult:
     skipped: bool  # non-finite loss or gradients on some rank: no optimizer step
     save_due: bool
     preempted: str | None  # the signal (SIGTERM or SIGUSR1) that reached some rank
+
+
+def samples_in(batch: Batch) -> int:
+    return len(next(iter(batch.values())) if isinstance(batch, dict) else batch)
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
@@ -324,7 +335,7 @@ class Trainer:
                 self.config,
                 args.output_dir,
                 run_id=manifest.get("mlflow_run_id"),
-                tags=run_tags(acc, self.job.name, state.step),
+                tags={**run_tags(acc, self.job.name, state.step), "attn_implementation": str(attention_of(self.job.model))},
                 restart=args.resume_from_checkpoint == "auto",
             )
         # steps logged after the checkpoint and before a crash come again, identical: not twice in the run
@@ -342,29 +353,29 @@ class Trainer:
         self.model.train()
 
     def step(self) -> StepResult:
-        """One optimizer step: accumulation, clipping, the ranks' agreement, then the update unless a rank saw a non-finite value."""
+        """One optimizer step: its micro-batches fetched, their items counted on every rank, accumulation, clipping, the
+        ranks' agreement, then the update unless a rank saw a non-finite value."""
         acc, args, state = self.accelerator, self.args, self.state
+        micro_batches = [self.fetch() for _ in range(args.gradient_accumulation_steps)]
+        items = self.count_items([batch for batch, _ in micro_batches])
+        # each micro-batch's summed loss over this: DDP, ZeRO and FSDP average the ranks' gradients, and accelerate
+        # divides each micro-batch's by the accumulation steps, so the sum of all is divided by `items` exactly once
+        num_items_in_batch = items / (acc.num_processes * args.gradient_accumulation_steps)
         step_loss = torch.zeros((), device=acc.device)
-        for _ in range(args.gradient_accumulation_steps):
-            waiting = time.perf_counter()
-            batch = to_device(next(self.batches), acc.device)
-            waited = time.perf_counter() - waiting
-            self.metrics.meter.waited(waited)
-            self.stragglers.waited(waited)
-            if self.trace:
-                self.trace.write(state.step + 1, self.loader.last_sample_ids)
+        for batch, position in micro_batches:
             with acc.accumulate(self.model):
                 with self.stragglers.compute():
-                    loss = self.hooks.on_loss(self.job.loss(self.model, batch), self.loader.batches_consumed)
+                    loss = self.hooks.on_loss(self.job.loss(self.model, batch, num_items_in_batch), position)
                 acc.backward(loss)
             step_loss += loss.detach()
         grad_norm = acc.clip_grad_norm_(self.model.parameters(), args.max_grad_norm) if args.max_grad_norm else None
         if isinstance(grad_norm, DTensor):  # FSDP2's norm of sharded gradients
             grad_norm = grad_norm.full_tensor()
+        self.hooks.before_optimizer_step(state.step + 1, self.model, grad_norm)
         agreed = self.consensus.agree(state.step + 1, self.guard.flag(step_loss, grad_norm))
         steps = self.guard.record(agreed.nonfinite, state)
         if not agreed.nonfinite:
-            self.metrics.add_loss(step_loss, args.gradient_accumulation_steps)
+            self.metrics.add_loss(step_loss * num_items_in_batch, items)  # this rank's summed item losses; the step's items
         if steps:
             self.optimizer.step()
         self.scheduler.step()
@@ -373,6 +384,26 @@ class Trainer:
         state.tokens_seen += self.units_per_step
         self.metrics.meter.add(self.units_per_step)
         return StepResult(step_loss, grad_norm, agreed.nonfinite, agreed.save_due, agreed.signal)
+
+    def fetch(self) -> tuple[Batch, int]:
+        """The next micro-batch on the device, and its number since the run began; the wait is timed, the samples traced."""
+        waiting = time.perf_counter()
+        batch = to_device(next(self.batches), self.accelerator.device)
+        waited = time.perf_counter() - waiting
+        self.metrics.meter.waited(waited)
+        self.stragglers.waited(waited)
+        if self.trace:
+            self.trace.write(self.state.step + 1, self.loader.last_sample_ids)
+        return batch, self.loader.batches_consumed
+
+    def count_items(self, batches: list[Batch]) -> torch.Tensor:
+        """The items the loss sums over in these micro-batches, on every rank together: one small all-reduce per step,
+        before the backward passes (a 0-dim float tensor on the device)."""
+        count = self.job.items or samples_in
+        items = torch.stack([torch.as_tensor(count(b), device=self.accelerator.device).float() for b in batches]).sum()
+        if self.accelerator.num_processes > 1:
+            torch.distributed.all_reduce(items)
+        return items
 
     def after_step(self, result: StepResult) -> None:
         """Progress, the test hooks, this rank's heartbeat, the pace after the first steps, a skipped step's count."""

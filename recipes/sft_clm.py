@@ -21,27 +21,33 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from infra.config import parse_config, resolved
 from infra.data import DataArguments
-from infra.recipe import causal_lm_flops, load_pretrained, open_data, run_recipe, start
+from infra.recipe import AttentionArguments, causal_lm_flops, load_pretrained, open_data, predicted_tokens, run_recipe, start
 from infra.trainer import Job, TrainingArguments, check_data_and_training, train
 
 
 @dataclass
-class ModelArguments:
+class ModelArguments(AttentionArguments):
     model_name_or_path: str = field(
         default="runs/pretrain_tiny/final", metadata={"help": "The pretrained causal LM: a from_pretrained path or hub id."}
     )
 
 
-def sft_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Mean loss over the response tokens of the micro-batch (labels are -100 elsewhere; the model shifts them)."""
-    return model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+def sft_loss(model, batch: dict[str, torch.Tensor], num_items_in_batch: torch.Tensor | None = None) -> torch.Tensor:
+    """Loss over the response tokens of the micro-batch (labels are -100 elsewhere; the model shifts them): summed and
+    divided by num_items_in_batch (the Trainer's: every response token of the optimizer step counts the same), or
+    the mean when None."""
+    return model(input_ids=batch["input_ids"], labels=batch["labels"], num_items_in_batch=num_items_in_batch).loss
+
+
+def response_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return predicted_tokens(batch["labels"])
 
 
 def sft_eval(accelerator, model, batches) -> dict[str, float]:
     """Loss per response token over the held-out pairs, all ranks together."""
     total = torch.zeros(2, device=accelerator.device)  # sum of token losses, response tokens
     for batch in batches:
-        tokens = (batch["labels"][:, 1:] != -100).sum().float()
+        tokens = response_tokens(batch).float()
         total += torch.stack([sft_loss(model, batch).float() * tokens, tokens])
     loss_sum, tokens = accelerator.reduce(total, "sum").tolist()
     loss = loss_sum / max(tokens, 1.0)
@@ -58,7 +64,9 @@ def main(argv: list[str] | None = None) -> None:
     accelerator = start(args)
 
     hint = "run `make train` first (it exports runs/pretrain_tiny/final)"
-    model = load_pretrained(AutoModelForCausalLM.from_pretrained, model_args.model_name_or_path, hint)
+    model = load_pretrained(
+        AutoModelForCausalLM.from_pretrained, model_args.model_name_or_path, hint, attn_implementation=model_args.attn_implementation
+    )
 
     job = Job(
         name="sft_clm",
@@ -71,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         unit="tokens",  # padded sample length: the tokens the model processes, response or not
         units_per_sample=data.dataset.seq_len,
         flops_per_unit=causal_lm_flops(model, data.dataset, tokenizer.eos_token_id),
+        items=response_tokens,  # the loss is the mean per response token of the whole optimizer step
     )
     train(accelerator, args, data_args, config, job)
 

@@ -64,6 +64,8 @@ def test_resolved_config_flattens_to_dotted_params():
             ["--metric_for_best_model", "eval/loss"],
             "eval_samples=0 is not valid: expected > 0 to rank checkpoints by eval/loss",
         ),
+        ("", ["--attn_implementation", "flash"], "attn_implementation='flash' is not valid: expected one of sdpa, eager,"),
+        ("", ["--attn_implementation", "flash_attention_2"], "expected an installed kernel: flash_attention_2 needs a CUDA GPU"),
     ],
 )
 def test_recipe_refuses_bad_config_in_one_line_and_creates_nothing(tmp_path, yaml_text, extra, expected):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -248,6 +249,112 @@ def test_a_model_that_cannot_be_loaded_stops_the_recipe_in_one_line(recipe, mode
     assert "Traceback" not in proc.stderr and not out.exists()
 
 
+def test_attention_kernels_give_the_same_model(tiny_data):
+    """The pretraining model built with sdpa and with eager attention: the same outputs (fp32), the kernel as asked."""
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from infra.recipe import attention_of
+
+    sys.path.insert(0, str(REPO / "recipes"))
+    from pretrain_clm import ModelArguments, build_model
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_data / "tokenizer")
+    ids = torch.randint(0, len(tokenizer), (2, 32), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for kernel in ("sdpa", "eager"):
+        torch.manual_seed(0)
+        model = build_model(ModelArguments(hidden_size=32, intermediate_size=64, attn_implementation=kernel), tokenizer, 32)
+        assert attention_of(model) == kernel
+        logits[kernel] = model(input_ids=ids).logits
+    assert torch.allclose(logits["sdpa"], logits["eager"], atol=1e-5)
+
+
+# The loss of an optimizer step is the mean per response token over all its micro-batches and ranks
+
+
+@pytest.fixture(scope="session")
+def sft_without_dropout(sft_clm_inputs, tmp_path_factory) -> tuple[Path, Path]:
+    """The SFT data, and its tiny model with dropout off (so that gradients depend on the data alone)."""
+    from transformers import AutoModelForCausalLM
+
+    data, args = sft_clm_inputs
+    model = AutoModelForCausalLM.from_pretrained(args[args.index("--model_name_or_path") + 1])
+    model.config.attention_dropout = 0.0
+    folder = tmp_path_factory.mktemp("sft_no_dropout") / "model"
+    model.save_pretrained(folder)
+    return data, folder
+
+
+def sft_gradients(data: Path, model: Path, out: Path, config: str | None, batch: int, accumulation: int) -> dict:
+    """The gradients and gradient norm of the first optimizer step of sft_clm (fp32, no clipping), as rank 0 saw them;
+    `config` None: one plain process."""
+    import subprocess
+    import sys
+
+    from infra.testing import GRADS_ENV
+
+    args = [
+        *("--config", str(REPO / "recipes" / "configs" / "sft_clm.yaml"), "--data_dir", str(data), "--output_dir", str(out / "out")),
+        *(
+            "--model_name_or_path",
+            str(model),
+            "--per_device_train_batch_size",
+            str(batch),
+            "--gradient_accumulation_steps",
+            str(accumulation),
+        ),
+        *("--max_steps", "1", "--max_grad_norm", "1e9", "--mixed_precision", "no", "--eval_samples", "16", "--save_steps", "0"),
+        *("--report_to", "none", "--preflight", "false", "--trace_samples", "true"),
+    ]
+    env = {GRADS_ENV: str(out)}
+    out.mkdir(parents=True)
+    if config is None:
+        cmd = [sys.executable, str(REPO / "recipes" / "sft_clm.py"), *args]
+        proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+    else:
+        proc = launch(config, args, out, recipe="sft_clm", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out / "step1.pt")
+
+
+def by_hand(data: Path, model_dir: Path, ids: list[int], micro_batches: int) -> dict[str, torch.Tensor]:
+    """The gradient of the mean response-token loss of samples `ids` cut into `micro_batches` groups: with 1 group
+    the right one; with more, what averaging each group's own mean gave (the bug: short responses weigh more)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    samples = PackedDataset(data).__getitems__(ids)
+    groups = np.array_split(np.arange(len(ids)), micro_batches)
+    for group in groups:
+        batch = {k: v[group] for k, v in samples.items()}
+        (model(**batch).loss / micro_batches).backward()  # each group's mean over its own response tokens
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("config", ["cpu.yaml", pytest.param("zero2.yaml", marks=pytest.mark.slow)])
+def test_the_step_gradient_is_that_of_the_mean_token_loss_whatever_the_split(config, sft_without_dropout, tmp_path):
+    """Batch 2 x accumulation 4 on 2 ranks == batch 16 in one process == the mean response-token loss by hand (fp32)."""
+    data, model = sft_without_dropout
+    whole = sft_gradients(data, model, tmp_path / "one", None, batch=16, accumulation=1)
+    split = sft_gradients(data, model, tmp_path / "two", config, batch=2, accumulation=4)
+    ids = json.loads((tmp_path / "one" / "out" / "trace" / "rank0.jsonl").read_text().splitlines()[0])["ids"]
+    assert len(ids) == 16
+    right, wrong = by_hand(data, model, ids, 1), by_hand(data, model, ids, 8)
+    tokens = [int((PackedDataset(data).__getitems__(ids[i : i + 2])["labels"][:, 1:] != -100).sum()) for i in range(0, 16, 2)]
+    assert len(set(tokens)) > 1, tokens  # response lengths differ between micro-batches: the split matters
+    assert whole["grad_norm"] == pytest.approx(split["grad_norm"], rel=1e-5)
+    assert whole["grad_norm"] == pytest.approx(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in right.values()]))), rel=1e-5)
+    for name, grad in right.items():
+        assert torch.allclose(whole["grads"][name], grad, rtol=1e-4, atol=1e-7), name
+        if split["grads"]:  # DDP: rank 0 holds the averaged gradients (ZeRO has stepped and partitioned them)
+            assert torch.allclose(split["grads"][name], grad, rtol=1e-4, atol=1e-7), name
+    differs = any(not torch.allclose(right[n], wrong[n], rtol=1e-3, atol=1e-6) for n in right)
+    assert differs  # averaging the micro-batches' own means (before this was fixed) gives another gradient
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("recipe", ["sft_clm", "finetune_classification", "image_classification"])
 def test_recipe_trains_evaluates_and_resumes_exactly(recipe, request, tmp_path):
@@ -256,6 +363,7 @@ def test_recipe_trains_evaluates_and_resumes_exactly(recipe, request, tmp_path):
     client = mlflow.MlflowClient(f"sqlite:///{a / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name(recipe).experiment_id])
     assert run.data.tags["recipe"] == recipe and run.info.status == "FINISHED"
+    assert run.data.tags["attn_implementation"] == "sdpa"  # transformers' default for Llama, BERT and ViT
     evals = [m.step for m in client.get_metric_history(run.info.run_id, "eval/loss")]
     assert evals == [3, 6, 9, 12]
     unit = "images" if recipe == "image_classification" else "tokens"
