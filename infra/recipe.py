@@ -49,11 +49,15 @@ class Data:
 
 
 def open_data(
-    data_args: DataArguments, args: TrainingArguments, fields: tuple[str, ...] = ("input_ids",), made_by: str = "make data"
+    data_args: DataArguments,
+    args: TrainingArguments,
+    fields: tuple[str, ...] = ("input_ids",),
+    made_by: str = "make data",
+    optional: tuple[str, ...] = (),
 ) -> Data:
     """The shards, split: sizes checked now; sha256 now only if no preflight will hash them.
 
-    The data must hold exactly `fields` (the recipe's inputs), as `made_by` prepares them.
+    The data must hold `fields` (the recipe's inputs), as `made_by` prepares them, and may hold `optional` ones.
     """
     preflight_hashes = (args.preflight or args.preflight_only) and (data_args.verify_data_checksums or args.preflight_only)
     try:
@@ -70,8 +74,9 @@ def open_data(
         train_set, held_out = dataset.split(data_args.eval_samples)
     except ValueError as err:
         raise SystemExit(f"data error: {err}") from None
-    if tuple(dataset.fields) != fields:
-        raise SystemExit(f"data error: {data_args.data_dir} holds {dataset.fields}, this recipe reads {list(fields)} ({made_by})")
+    if not set(fields) <= set(dataset.fields) <= set(fields) | set(optional):
+        reads = list(fields) + [f"{name} (optional)" for name in optional]
+        raise SystemExit(f"data error: {data_args.data_dir} holds {dataset.fields}, this recipe reads {reads} ({made_by})")
     return Data(dataset, train_set, held_out, preflight_hashes)
 
 

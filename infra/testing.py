@@ -10,7 +10,7 @@ The launch tests start real recipes, so the faults travel in the environment:
 - `INFRA_TEST_PAUSE_IN_SAVE`: seconds to pause after save_state and before the commit, so a test can kill a
   save midway.
 - `INFRA_TEST_DUMP_GRADS`: a folder where rank 0 writes `step1.pt` before the first optimizer step: the gradient
-  norm, and the gradients where the rank holds them whole (DDP, one process; DeepSpeed has stepped already).
+  norm, and the whole gradients (DDP, one process; FSDP2's gathered; none under DeepSpeed, which has stepped already).
 
 Production runs get `Hooks()`, whose methods do nothing.
 """
@@ -33,7 +33,7 @@ GRADS_ENV = "INFRA_TEST_DUMP_GRADS"
 
 class Faults(Hooks):
     def __init__(self, rank: int, spec: dict, pause_in_save: float = 0.0, grads_dir: str = ""):
-        self.grads_dir = grads_dir if rank == 0 else ""
+        self.rank, self.grads_dir = rank, grads_dir
         active = spec.get("rank", 1) == rank
         self.nan_batches = set(spec.get("nan_batches", [])) if active else set()
         self.slow_seconds = float(spec.get("slow_seconds", 0)) if active else 0.0
@@ -64,10 +64,17 @@ class Faults(Hooks):
     def before_optimizer_step(self, step: int, model: torch.nn.Module, grad_norm) -> None:
         if not self.grads_dir or step != 1:
             return
+        from torch.distributed.tensor import DTensor
+
         inner = getattr(model, "module", model)  # DDP's wrapped model: parameter names as the model has them
-        grads = {name: p.grad.detach().float().cpu().clone() for name, p in inner.named_parameters() if p.grad is not None}
-        norm = None if grad_norm is None else float(grad_norm)
-        torch.save({"grad_norm": norm, "grads": grads}, Path(self.grads_dir) / "step1.pt")
+        grads = {}
+        for name, p in inner.named_parameters():
+            if p.grad is not None:  # FSDP2's are sharded: gathered, a collective every rank joins
+                grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                grads[name] = grad.detach().float().cpu().clone()
+        if self.rank == 0:
+            norm = None if grad_norm is None else float(grad_norm)
+            torch.save({"grad_norm": norm, "grads": grads}, Path(self.grads_dir) / "step1.pt")
 
 
 def hooks_from_env(rank: int) -> Hooks:

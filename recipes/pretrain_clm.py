@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -37,6 +38,13 @@ class ModelArguments(AttentionArguments):
     num_attention_heads: int = field(default=4, metadata={"help": "Attention heads."})
     num_key_value_heads: int | None = field(default=None, metadata={"help": "KV heads for grouped-query attention (default: all)."})
     attention_dropout: float = field(default=0.0, metadata={"help": "Dropout on attention probabilities."})
+    document_attention: bool = field(
+        default=False,
+        metadata={
+            "help": "Attend within each document only: position ids restart after every EOS and a document's first token "
+            "is not predicted from the one before (from the same shards; any attn_implementation)."
+        },
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -73,19 +81,37 @@ def build_model(args: ModelArguments, tokenizer, seq_len: int):
     return AutoModelForCausalLM.from_config(config, attn_implementation=args.attn_implementation)
 
 
-def lm_loss(model, batch: torch.Tensor, num_items_in_batch: torch.Tensor | None = None) -> torch.Tensor:
+def lm_inputs(batch: torch.Tensor, eos_token_id: int | None = None) -> dict[str, torch.Tensor | bool]:
+    """The model's inputs for a batch of packed token samples. With `eos_token_id` (document_attention), position ids
+    that restart after each EOS, from which transformers builds a causal mask that stays within each document, and
+    labels that skip each later document's first token. Vectorised: no Python loop over the tokens."""
+    if eos_token_id is None:
+        return {"input_ids": batch, "labels": batch}
+    starts = torch.zeros_like(batch, dtype=torch.bool)
+    starts[:, 1:] = batch[:, :-1] == eos_token_id  # the token after an EOS begins a document
+    index = torch.arange(batch.shape[1], device=batch.device).expand_as(batch)
+    position_ids = index - torch.where(starts, index, 0).cummax(dim=1).values
+    return {"input_ids": batch, "labels": batch.masked_fill(starts, -100), "position_ids": position_ids, "use_cache": False}
+
+
+def lm_loss(model, batch: torch.Tensor, num_items_in_batch: torch.Tensor | None = None, eos_token_id: int | None = None) -> torch.Tensor:
     """The token loss of the batch: summed and divided by num_items_in_batch (the Trainer's), or the mean when None."""
-    return model(input_ids=batch, labels=batch, num_items_in_batch=num_items_in_batch).loss
+    return model(**lm_inputs(batch, eos_token_id), num_items_in_batch=num_items_in_batch).loss
 
 
-def lm_eval(accelerator, model, batches) -> dict[str, float]:
-    """Mean token loss and perplexity over the held-out samples, all ranks together (weighted by samples)."""
-    total = torch.zeros(2, device=accelerator.device)  # sum of per-sample mean losses, samples (all of seq_len tokens)
+def lm_tokens(batch: torch.Tensor, eos_token_id: int | None = None) -> torch.Tensor:
+    """The tokens the loss counts (the Trainer's items)."""
+    return predicted_tokens(lm_inputs(batch, eos_token_id)["labels"])
+
+
+def lm_eval(accelerator, model, batches, eos_token_id: int | None = None) -> dict[str, float]:
+    """Mean token loss and perplexity over the held-out samples, all ranks together."""
+    total = torch.zeros(2, device=accelerator.device)  # sum of token losses, tokens
+    one = torch.ones((), device=accelerator.device)
     for batch in batches:
-        n = torch.tensor(float(len(batch)), device=accelerator.device)
-        total += torch.stack([lm_loss(model, batch).float() * n, n])
-    loss_sum, samples = accelerator.reduce(total, "sum").tolist()
-    loss = loss_sum / samples
+        total += torch.stack([lm_loss(model, batch, one, eos_token_id).float(), lm_tokens(batch, eos_token_id).float()])
+    loss_sum, tokens = accelerator.reduce(total, "sum").tolist()
+    loss = loss_sum / tokens
     return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
 
 
@@ -100,19 +126,20 @@ def main(argv: list[str] | None = None) -> None:
     accelerator = start(args)
 
     model = build_model(model_args, tokenizer, data.dataset.seq_len)
+    eos = tokenizer.eos_token_id if model_args.document_attention else None  # documents end at EOS in the shards
 
     job = Job(
         name="pretrain_clm",
         model=model,
         data=data,
-        loss=lm_loss,
-        evaluate=lm_eval,
+        loss=partial(lm_loss, eos_token_id=eos),
+        evaluate=partial(lm_eval, eos_token_id=eos),
         processor=tokenizer,
         task="text-generation",
         unit="tokens",
         units_per_sample=data.dataset.seq_len,
         flops_per_unit=causal_lm_flops(model, data.dataset, tokenizer.eos_token_id),
-        items=predicted_tokens,  # every token but each sample's first: the loss is the mean per token
+        items=partial(lm_tokens, eos_token_id=eos),  # the loss is the mean per predicted token
     )
     train(accelerator, args, data_args, config, job)
 

@@ -32,11 +32,21 @@ class ModelArguments(AttentionArguments):
     )
 
 
+def sft_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | bool]:
+    """The model's inputs. Packed data (`--packing true` when prepared) has position ids that restart at each pair:
+    transformers then builds a causal mask that stays within each pair (sdpa, eager, flex) or runs varlen kernels
+    (flash_attention_2), so several pairs share one sample and nothing attends across them."""
+    inputs = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+    if "position_ids" in batch:
+        inputs |= {"position_ids": batch["position_ids"].long(), "use_cache": False}
+    return inputs
+
+
 def sft_loss(model, batch: dict[str, torch.Tensor], num_items_in_batch: torch.Tensor | None = None) -> torch.Tensor:
     """Loss over the response tokens of the micro-batch (labels are -100 elsewhere; the model shifts them): summed and
     divided by num_items_in_batch (the Trainer's: every response token of the optimizer step counts the same), or
     the mean when None."""
-    return model(input_ids=batch["input_ids"], labels=batch["labels"], num_items_in_batch=num_items_in_batch).loss
+    return model(**sft_inputs(batch), num_items_in_batch=num_items_in_batch).loss
 
 
 def response_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -59,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         (ModelArguments, DataArguments, TrainingArguments), argv, check=lambda m, d, a: check_data_and_training(d, a)
     )
     config = resolved(model_args, data_args, args)
-    data = open_data(data_args, args, ("input_ids", "labels"), "python -m infra.data.tasks --task sft")
+    data = open_data(data_args, args, ("input_ids", "labels"), "python -m infra.data.tasks --task sft", optional=("position_ids",))
     tokenizer = AutoTokenizer.from_pretrained(data.dataset.tokenizer_dir)  # the model's, with the chat template the data was made with
     accelerator = start(args)
 

@@ -271,6 +271,106 @@ def test_attention_kernels_give_the_same_model(tiny_data):
     assert torch.allclose(logits["sdpa"], logits["eager"], atol=1e-5)
 
 
+@pytest.mark.parametrize("kernel", ["sdpa", "eager"])
+def test_document_attention_equals_the_documents_run_alone(kernel, tiny_data):
+    """document_attention: the summed token loss of a packed sample equals that of its documents run one by one (fp32)."""
+    import sys
+
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(REPO / "recipes"))
+    from pretrain_clm import ModelArguments, build_model, lm_loss, lm_tokens
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_data / "tokenizer")
+    eos, one = tokenizer.eos_token_id, torch.ones(())
+    torch.manual_seed(0)
+    model = build_model(ModelArguments(hidden_size=32, intermediate_size=64, attn_implementation=kernel), tokenizer, 64).eval()
+    words = torch.randint(0, len(tokenizer), (60,), generator=torch.Generator().manual_seed(1))
+    words[words == eos] = eos + 1
+    docs = [torch.cat([words[a:b], torch.tensor([eos])]) for a, b in ((0, 9), (9, 29), (29, 60))]  # 10 + 21 + 32 tokens
+    packed = torch.cat(docs)[None]
+    with torch.no_grad():
+        alone = sum(lm_loss(model, d[None], one) for d in docs)
+        together = lm_loss(model, packed, one, eos_token_id=eos)
+        across = lm_loss(model, packed, one)  # plain causal attention over the same sample
+    assert int(lm_tokens(packed, eos)) == sum(int(lm_tokens(d[None])) for d in docs) == 60
+    assert torch.allclose(together, alone, rtol=1e-5)
+    assert not torch.allclose(across, alone, rtol=1e-3)  # without it, later documents see the earlier ones
+
+
+# Padding-free SFT: several pairs per sample, attention within each pair
+
+
+@pytest.fixture(scope="session")
+def packed_sft(sft_clm_inputs, tmp_path_factory) -> Path:
+    """Short prompt/response pairs (a docstring's start -> the function's first line), prepared with --packing true."""
+    data, _ = sft_clm_inputs
+    root = tmp_path_factory.mktemp("sft_packed")
+    pairs = [{"prompt": p[:24], "response": r.splitlines()[0][:32]} for p, r in itertools.islice(stdlib_instructions(), 300)]
+    source = write_jsonl(root / "pairs.jsonl", pairs)
+    out = root / "data"
+    prepare_task(
+        TaskArguments(task="sft", source=str(source), tokenizer=str(data / "tokenizer"), output_dir=str(out), seq_len=96, packing=True)
+    )
+    return out
+
+
+def segments(sample: dict[str, torch.Tensor]) -> list[slice]:
+    """Where each packed pair lies in a sample: position ids restart at 0 at each; the padding has no labels."""
+    starts = [int(i) for i in torch.nonzero(sample["position_ids"] == 0)] + [len(sample["position_ids"])]
+    spans = [slice(a, b) for a, b in zip(starts, starts[1:], strict=False)]
+    return [span for span in spans if (sample["labels"][span] != IGNORE_INDEX).any()]
+
+
+def test_packing_keeps_every_pair_once_in_fewer_samples(packed_sft):
+    from collections import Counter
+
+    from transformers import AutoTokenizer
+
+    from infra.data.tasks import sft_pair
+
+    packed = PackedDataset(packed_sft)
+    tokenizer = AutoTokenizer.from_pretrained(packed_sft / "tokenizer")
+    rows = [json.loads(line) for line in (packed_sft.parent / "pairs.jsonl").read_text().splitlines()]
+    pairs = [sft_pair(tokenizer, r["prompt"], r["response"], 96) for r in rows]
+    assert packed.fields == ["input_ids", "labels", "position_ids"] and len(packed) < 0.7 * len(list(filter(None, pairs)))
+    want = Counter((tuple(ids), tuple(labels)) for ids, labels in filter(None, pairs))
+    found = Counter()
+    for i in range(len(packed)):
+        sample = packed[i]
+        for span in segments(sample):
+            found[(tuple(sample["input_ids"][span].tolist()), tuple(sample["labels"][span].tolist()))] += 1
+    assert found == want  # every pair that fits, exactly once, whole
+
+
+def test_a_packed_sample_has_the_loss_of_its_pairs_run_alone(sft_without_dropout, packed_sft):
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(REPO / "recipes"))
+    from sft_clm import sft_loss
+
+    model = AutoModelForCausalLM.from_pretrained(sft_without_dropout[1]).eval()
+    one = torch.ones(())
+    dataset = PackedDataset(packed_sft)
+    for i in range(3):
+        sample = dataset[i]
+        spans = segments(sample)
+        assert len(spans) > 1
+        batch = {k: v[None].long() for k, v in sample.items()}
+        with torch.no_grad():
+            together = sft_loss(model, batch, one)
+            alone = sum(sft_loss(model, {k: batch[k][:, span] for k in ("input_ids", "labels")}, one) for span in spans)
+        assert torch.allclose(together, alone, rtol=1e-5), (i, together, alone)
+
+
+@pytest.mark.multiprocess
+def test_packed_sft_trains_and_resumes_exactly(sft_clm_inputs, packed_sft, tmp_path):
+    _, args = sft_clm_inputs
+    straight_then_resumed("sft_clm", "cpu.yaml", (packed_sft, args), tmp_path)
+
+
 # The loss of an optimizer step is the mean per response token over all its micro-batches and ranks
 
 
@@ -308,7 +408,7 @@ def sft_gradients(data: Path, model: Path, out: Path, config: str | None, batch:
         *("--max_steps", "1", "--max_grad_norm", "1e9", "--mixed_precision", "no", "--eval_samples", "16", "--save_steps", "0"),
         *("--report_to", "none", "--preflight", "false", "--trace_samples", "true"),
     ]
-    env = {GRADS_ENV: str(out)}
+    env = {GRADS_ENV: str(out), **({FSDP_ON_CPU_ENV: "1"} if config == "fsdp.yaml" else {})}
     out.mkdir(parents=True)
     if config is None:
         cmd = [sys.executable, str(REPO / "recipes" / "sft_clm.py"), *args]
@@ -334,7 +434,9 @@ def by_hand(data: Path, model_dir: Path, ids: list[int], micro_batches: int) -> 
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("config", ["cpu.yaml", pytest.param("zero2.yaml", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "config", ["cpu.yaml", pytest.param("zero2.yaml", marks=pytest.mark.slow), pytest.param("fsdp.yaml", marks=pytest.mark.slow)]
+)
 def test_the_step_gradient_is_that_of_the_mean_token_loss_whatever_the_split(config, sft_without_dropout, tmp_path):
     """Batch 2 x accumulation 4 on 2 ranks == batch 16 in one process == the mean response-token loss by hand (fp32)."""
     data, model = sft_without_dropout
@@ -349,7 +451,7 @@ def test_the_step_gradient_is_that_of_the_mean_token_loss_whatever_the_split(con
     assert whole["grad_norm"] == pytest.approx(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in right.values()]))), rel=1e-5)
     for name, grad in right.items():
         assert torch.allclose(whole["grads"][name], grad, rtol=1e-4, atol=1e-7), name
-        if split["grads"]:  # DDP: rank 0 holds the averaged gradients (ZeRO has stepped and partitioned them)
+        if split["grads"]:  # DDP and FSDP: the averaged gradients (DeepSpeed has stepped and partitioned them)
             assert torch.allclose(split["grads"][name], grad, rtol=1e-4, atol=1e-7), name
     differs = any(not torch.allclose(right[n], wrong[n], rtol=1e-3, atol=1e-6) for n in right)
     assert differs  # averaging the micro-batches' own means (before this was fixed) gives another gradient

@@ -93,6 +93,13 @@ class TaskArguments:
     max_examples: int | None = field(default=None, metadata={"help": "Keep at most this many examples (after shuffling)."})
     samples_per_shard: int = field(default=1024, metadata={"help": "Samples per shard file."})
     seed: int = field(default=0, metadata={"help": "Shuffles the examples before they are written."})
+    packing: bool = field(
+        default=False,
+        metadata={
+            "help": "sft: pack several prompt/response pairs into each sample (best fit), with position_ids that restart at "
+            "each pair so that attention stays within it; false: one pair per sample, padded."
+        },
+    )
 
     def __post_init__(self):
         require(self.seq_len >= 8, "seq_len", self.seq_len, "an integer >= 8")
@@ -168,7 +175,21 @@ def _flag_for(args: TaskArguments, column: str) -> str:
 
 
 def sft_fields(tokenizer, prompt: str, response: str, seq_len: int) -> dict[str, np.ndarray] | None:
-    """input_ids and labels of one chat: labels are -100 up to the response and on padding; None if no response token fits."""
+    """input_ids and labels of one chat padded to seq_len: labels are -100 up to the response and on padding; None if no
+    response token fits."""
+    pair = sft_pair(tokenizer, prompt, response, seq_len)
+    if pair is None:
+        return None
+    ids, labels = pair
+    pad = seq_len - len(ids)
+    return {
+        "input_ids": np.asarray(ids + [tokenizer.pad_token_id] * pad),
+        "labels": np.asarray(labels + [IGNORE_INDEX] * pad, dtype=np.int32),
+    }
+
+
+def sft_pair(tokenizer, prompt: str, response: str, seq_len: int) -> tuple[list[int], list[int]] | None:
+    """The token ids and labels of one chat, cut to seq_len (labels -100 on the prompt); None if no response token fits."""
     asked = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
     whole = tokenizer.apply_chat_template([{"role": "user", "content": prompt}, {"role": "assistant", "content": response}], tokenize=False)
     if not whole.startswith(asked):
@@ -178,11 +199,40 @@ def sft_fields(tokenizer, prompt: str, response: str, seq_len: int) -> dict[str,
     if len(prompt_ids) >= seq_len or not response_ids:  # nothing to learn from: every label would be -100
         return None
     ids = (prompt_ids + response_ids)[:seq_len]
-    labels = [IGNORE_INDEX] * len(prompt_ids) + ids[len(prompt_ids) :]
+    return ids, [IGNORE_INDEX] * len(prompt_ids) + ids[len(prompt_ids) :]
+
+
+def best_fit(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Indices of `lengths` grouped into bins of at most `capacity`: longest first, each into the fullest bin it fits
+    (best-fit decreasing: within 11/9 of the fewest bins). O(n log n) but for the list insertions."""
+    import bisect
+
+    bins: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (room left, bin), sorted
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        at = bisect.bisect_left(free, (lengths[i], -1))
+        if at == len(free):
+            bins.append([i])
+            room, b = capacity - lengths[i], len(bins) - 1
+        else:
+            room, b = free.pop(at)
+            bins[b].append(i)
+            room -= lengths[i]
+        bisect.insort(free, (room, b))
+    return bins
+
+
+def packed_sft(pairs: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+    """Pairs (ids, labels) in one sample of seq_len: input_ids, labels (-100 on prompts and padding) and position_ids
+    restarting at 0 at each pair (the padding at the end counts as one more sequence, without labels)."""
+    ids = [t for pair_ids, _ in pairs for t in pair_ids]
+    labels = [t for _, pair_labels in pairs for t in pair_labels]
+    positions = [p for pair_ids, _ in pairs for p in range(len(pair_ids))]
     pad = seq_len - len(ids)
     return {
-        "input_ids": np.asarray(ids + [tokenizer.pad_token_id] * pad),
+        "input_ids": np.asarray(ids + [pad_id] * pad),
         "labels": np.asarray(labels + [IGNORE_INDEX] * pad, dtype=np.int32),
+        "position_ids": np.asarray(positions + list(range(pad)), dtype=np.int32),
     }
 
 
@@ -233,6 +283,21 @@ def task_examples(args: TaskArguments) -> tuple[list[tuple], list[str]]:
     return digits() if source == DIGITS else labelled_rows(args, args.image_column)
 
 
+def pack_sft(tokenizer, examples: list[tuple[str, str]], seq_len: int, rng: np.random.Generator) -> tuple[list[dict], int]:
+    """Every (prompt, response) pair that fits, packed best-fit into samples of seq_len, in a seeded random order (so
+    that the held-out tail is a random sample); and how many pairs were skipped."""
+    pairs = [sft_pair(tokenizer, prompt, response, seq_len) for prompt, response in tqdm(examples, desc="tokenizing sft", unit=" pairs")]
+    kept = [pair for pair in pairs if pair is not None]
+    bins = best_fit([len(ids) for ids, _ in kept], seq_len)
+    rows = [packed_sft([kept[i] for i in bins[b]], seq_len, tokenizer.pad_token_id) for b in rng.permutation(len(bins))]
+    tokens = sum(len(ids) for ids, _ in kept)
+    print(
+        f"packed {len(kept)} pairs into {len(rows)} samples of {seq_len} tokens: {1 - tokens / (len(rows) * seq_len):.1%} padding "
+        f"(one pair per sample: {1 - tokens / (len(kept) * seq_len):.1%})"
+    )
+    return rows, len(pairs) - len(kept)
+
+
 def prepare_task(args: TaskArguments) -> DataIndex:
     out = Path(args.output_dir or DEFAULT_OUTPUT[args.task])
     if (out / "index.json").is_file():
@@ -264,6 +329,9 @@ def prepare_task(args: TaskArguments) -> DataIndex:
     image = args.task == "image_classification"
     primary = "pixel_values" if image else "input_ids"
     layout = {"labels": {"dtype": "int32", "shape": [args.seq_len]} if args.task == "sft" else {"dtype": "int16", "shape": []}}
+    packing = args.task == "sft" and args.packing
+    if packing:
+        layout["position_ids"] = {"dtype": "int32", "shape": [args.seq_len]}
     dtypes = {primary: np.dtype(np.uint8) if image else token_dtype(vocab), **{k: np.dtype(v["dtype"]) for k, v in layout.items()}}
     buffer: dict[str, list] = {}
     shards, skipped = [], 0
@@ -273,8 +341,11 @@ def prepare_task(args: TaskArguments) -> DataIndex:
             shards.append(write_shard(work, len(shards), {k: np.stack(v).astype(dtypes[k]) for k, v in buffer.items()}))
             buffer.clear()
 
-    for i in tqdm(order, desc=f"preparing {args.task}", unit=" examples"):
-        fields = fields_of(examples[i])
+    if packing:
+        rows, skipped = pack_sft(tokenizer, [examples[i] for i in order], args.seq_len, rng)
+    else:
+        rows = (fields_of(examples[i]) for i in tqdm(order, desc=f"preparing {args.task}", unit=" examples"))
+    for fields in rows:
         if fields is None:
             skipped += 1
             continue
