@@ -100,8 +100,9 @@ class AttentionArguments:
     attn_implementation: str | None = field(
         default=None,
         metadata={
-            "help": "Attention kernel: sdpa, eager, flex_attention, or flash_attention_2 (a CUDA GPU and the flash-attn "
-            "package); None: transformers' default for the model (sdpa where the model has it). Recorded as an MLflow tag."
+            "help": "Attention kernel: sdpa, eager, flex_attention (CUDA GPUs: it has no backward on CPU), or flash_attention_2 "
+            "(a CUDA GPU and the flash-attn package); None: transformers' default for the model (sdpa where the model has it). "
+            "Recorded as an MLflow tag."
         },
     )
 
@@ -110,6 +111,8 @@ class AttentionArguments:
         if name is None:
             return
         require(name in ATTENTION, "attn_implementation", name, f"one of {', '.join(ATTENTION)} (or null)")
+        if name == "flex_attention":  # torch 2.13: "FlexAttention does not support backward on CPU"
+            require(torch.cuda.is_available(), "attn_implementation", name, "a kernel that trains here: flex_attention needs a CUDA GPU")
         if name == "flash_attention_2":
             from transformers.utils import is_flash_attn_2_available
 

@@ -7,8 +7,10 @@
         --config recipes/configs/sft_clm.yaml --model_name_or_path my/model --data_dir data/mine
 
 The data comes from `python -m infra.data.tasks --task sft` (chat template applied, labels -100
-outside the response); by default docstring -> function pairs of the Python standard library, and
-the model `make train` exported. Any flag overrides the YAML; the run resumes by itself.
+outside the response; `--packing true` puts several pairs in each sample, attention within each);
+by default docstring -> function pairs of the Python standard library, and the model `make train`
+exported. The loss is the mean per response token of each optimizer step. Any flag overrides the
+YAML; the run resumes by itself.
 """
 
 from __future__ import annotations

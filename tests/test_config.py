@@ -66,6 +66,7 @@ def test_resolved_config_flattens_to_dotted_params():
         ),
         ("", ["--attn_implementation", "flash"], "attn_implementation='flash' is not valid: expected one of sdpa, eager,"),
         ("", ["--attn_implementation", "flash_attention_2"], "expected an installed kernel: flash_attention_2 needs a CUDA GPU"),
+        ("", ["--attn_implementation", "flex_attention"], "expected a kernel that trains here: flex_attention needs a CUDA GPU"),
     ],
 )
 def test_recipe_refuses_bad_config_in_one_line_and_creates_nothing(tmp_path, yaml_text, extra, expected):
