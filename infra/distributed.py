@@ -114,6 +114,25 @@ def ready_for_fsdp(accelerator: Accelerator, model: torch.nn.Module) -> None:
                 module.to_empty(device="cpu", recurse=False)
 
 
+def checkpoint_activations(accelerator: Accelerator, model: torch.nn.Module, wanted: bool) -> None:
+    """Activation checkpointing (`gradient_checkpointing`), before `prepare`: under FSDP its own (accelerate applies it
+    to the wrapped units), else transformers' non-reentrant one. The recipe's field is the one source of truth: a
+    launcher config with `fsdp_activation_checkpointing: true` and the field false is refused."""
+    if accelerator.distributed_type == DistributedType.FSDP:
+        launcher = os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true"
+        if launcher and not wanted:
+            raise LaunchError(
+                "the launcher config sets fsdp_activation_checkpointing: true but the recipe's gradient_checkpointing is false: "
+                "set gradient_checkpointing: true (the one place it is decided) and drop it from the launcher config"
+            )
+        accelerator.state.fsdp_plugin.activation_checkpointing = wanted
+        return
+    if wanted:
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            raise LaunchError(f"gradient_checkpointing: {type(model).__name__} does not support it")
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+
 def requested_engine() -> DistributedType | None:
     """The sharding engine the launcher's config asked for, if any."""
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":

@@ -1,11 +1,18 @@
-"""The optimizer and its learning-rate schedule: AdamW, linear warmup, cosine decay to a floor."""
+"""The optimizer and its learning-rate schedule: AdamW; a linear warmup, then cosine decay (default), linear decay,
+constant, or warmup-stable-decay (transformers' schedulers)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
-from transformers import get_cosine_with_min_lr_schedule_with_warmup
+from transformers import (
+    get_constant_schedule_with_warmup,
+    get_cosine_with_min_lr_schedule_with_warmup,
+    get_linear_schedule_with_warmup,
+    get_wsd_schedule,
+)
 
 from infra.config import require
 
@@ -21,12 +28,22 @@ class OptimizerConfig:
     adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
     adam_beta2: float = field(default=0.95, metadata={"help": "AdamW beta2."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm (0 disables clipping)."})
+    lr_scheduler_type: Literal["cosine", "linear", "constant_with_warmup", "warmup_stable_decay"] = field(
+        default="cosine",
+        metadata={
+            "help": "cosine: warmup from 0, cosine decay to min_lr_ratio at max_steps. linear: warmup from 0, linear decay to 0 "
+            "at max_steps. constant_with_warmup. warmup_stable_decay: warmup from min_lr_ratio, constant, then a linear "
+            "decay to min_lr_ratio over the last decay_ratio of max_steps (transformers' schedulers)."
+        },
+    )
+    decay_ratio: float = field(default=0.1, metadata={"help": "warmup_stable_decay: the fraction of max_steps spent decaying."})
 
     def __post_init__(self):
         require(self.learning_rate > 0, "learning_rate", self.learning_rate, "a number > 0")
         require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "an integer >= 0")
         require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
         require(self.max_grad_norm >= 0, "max_grad_norm", self.max_grad_norm, "a number >= 0")
+        require(0 < self.decay_ratio <= 1, "decay_ratio", self.decay_ratio, "a number in (0, 1]")
 
 
 def build_optimizer(model: torch.nn.Module, config: OptimizerConfig) -> torch.optim.AdamW:
@@ -38,6 +55,15 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig) -> torch.op
 
 
 def build_scheduler(optimizer, config: OptimizerConfig, max_steps: int):
-    """Linear warmup, then cosine decay to min_lr_ratio at `max_steps`. Built on the prepared optimizer: ZeRO-3
-    regroups parameters, and a schedule made before `prepare` would no longer match."""
-    return get_cosine_with_min_lr_schedule_with_warmup(optimizer, config.warmup_steps, max_steps, min_lr_rate=config.min_lr_ratio)
+    """The learning-rate schedule over `max_steps`. Built on the prepared optimizer: ZeRO-3 regroups parameters, and a
+    schedule made before `prepare` would no longer match. Its state (the step) is saved with every checkpoint."""
+    warmup, kind = config.warmup_steps, config.lr_scheduler_type
+    if kind == "cosine":
+        return get_cosine_with_min_lr_schedule_with_warmup(optimizer, warmup, max_steps, min_lr_rate=config.min_lr_ratio)
+    if kind == "constant_with_warmup":
+        return get_constant_schedule_with_warmup(optimizer, warmup)
+    if kind == "linear":
+        return get_linear_schedule_with_warmup(optimizer, warmup, max_steps)
+    decay = max(1, round(config.decay_ratio * max_steps))  # warmup_stable_decay
+    stable = max_steps - warmup - decay
+    return get_wsd_schedule(optimizer, warmup, decay, num_stable_steps=stable, decay_type="linear", min_lr_ratio=config.min_lr_ratio)

@@ -44,7 +44,7 @@ from infra.checkpoint import (
 from infra.config import require
 from infra.consensus import StepConsensus
 from infra.data import DataArguments, DataCursor, ResumableLoader, SampleTrace, eval_batches
-from infra.distributed import ready_for_fsdp
+from infra.distributed import LaunchError, checkpoint_activations, ready_for_fsdp
 from infra.environment import environment_facts
 from infra.export import Exporter
 from infra.guard import NonFiniteConfig, NonFiniteGuard
@@ -76,6 +76,13 @@ class LoopConfig:
         metadata={"help": "Evaluate on the held-out samples every N optimizer steps (0: only at the end); recipes without eval ignore it."},
     )
     per_device_eval_batch_size: int = field(default=8, metadata={"help": "Samples per process per eval batch."})
+    gradient_checkpointing: bool = field(
+        default=False,
+        metadata={
+            "help": "Activation checkpointing: keep only each layer's input and recompute the rest in the backward pass "
+            "(less memory, about a third more compute). FSDP's own under FSDP, else transformers' non-reentrant one."
+        },
+    )
 
     def __post_init__(self):
         for name in (
@@ -111,6 +118,10 @@ class TrainingArguments(
         for section in reversed(type(self).__mro__[1:]):  # each section's own checks, LoopConfig's first
             if "__post_init__" in vars(section):
                 vars(section)["__post_init__"](self)
+        if self.lr_scheduler_type == "warmup_stable_decay":  # what neither section can check alone
+            decay = max(1, round(self.decay_ratio * self.max_steps))
+            accepted = f"at most max_steps - decay steps = {self.max_steps - decay} with warmup_stable_decay"
+            require(self.warmup_steps <= self.max_steps - decay, "warmup_steps", self.warmup_steps, accepted)
 
 
 def check_data_and_training(data_args: DataArguments, args: TrainingArguments) -> None:
@@ -241,6 +252,8 @@ class Trainer:
         if acc.is_main_process:
             clear_stop_record(args.output_dir)
         ready_for_fsdp(acc, job.model)  # before the optimizer takes the parameters
+        with exit_on(LaunchError, "launch error"):
+            checkpoint_activations(acc, job.model, args.gradient_checkpointing)
         optimizer = build_optimizer(job.model, args)
         self.loader, self.cursor = build_loader(acc, job.data, data_args, args)
         self.model, self.optimizer = acc.prepare(job.model, optimizer)
