@@ -298,6 +298,39 @@ def pack_sft(tokenizer, examples: list[tuple[str, str]], seq_len: int, rng: np.r
     return rows, len(pairs) - len(kept)
 
 
+def example_fields(args: TaskArguments, tokenizer, example) -> dict[str, np.ndarray] | None:
+    """One example's fields as stored (padded to seq_len); None when it has nothing to learn from."""
+    if args.task == "sft":
+        return sft_fields(tokenizer, *example, args.seq_len)
+    value, label = example
+    if args.task == "image_classification":
+        return {"pixel_values": image_array(value, args.image_size, args.num_channels), "labels": np.asarray(label)}
+    ids = tokenizer(value, truncation=True, max_length=args.seq_len, padding="max_length")["input_ids"]
+    return {"input_ids": np.asarray(ids), "labels": np.asarray(label)}
+
+
+def write_rows(work: Path, rows, dtypes: dict[str, np.dtype], primary: str, per_shard: int) -> tuple[list, int]:
+    """Rows of fields (None: skipped) into shards of `per_shard` samples in `work`; the shards' entries and the rows skipped."""
+    buffer: dict[str, list] = {}
+    shards, skipped = [], 0
+
+    def flush():
+        if buffer:
+            shards.append(write_shard(work, len(shards), {k: np.stack(v).astype(dtypes[k]) for k, v in buffer.items()}))
+            buffer.clear()
+
+    for fields in rows:
+        if fields is None:
+            skipped += 1
+            continue
+        for name, value in fields.items():
+            buffer.setdefault(name, []).append(value)
+        if len(buffer[primary]) == per_shard:
+            flush()
+    flush()
+    return shards, skipped
+
+
 def prepare_task(args: TaskArguments) -> DataIndex:
     out = Path(args.output_dir or DEFAULT_OUTPUT[args.task])
     if (out / "index.json").is_file():
@@ -315,16 +348,6 @@ def prepare_task(args: TaskArguments) -> DataIndex:
         tokenizer, made_from = task_tokenizer(args)
         tokenizer.save_pretrained(work / TOKENIZER_DIR)
     order = rng.permutation(len(examples))[: args.max_examples]
-
-    def fields_of(example) -> dict[str, np.ndarray] | None:
-        if args.task == "sft":
-            return sft_fields(tokenizer, *example, args.seq_len)
-        value, label = example
-        if args.task == "image_classification":
-            return {"pixel_values": image_array(value, args.image_size, args.num_channels), "labels": np.asarray(label)}
-        ids = tokenizer(value, truncation=True, max_length=args.seq_len, padding="max_length")["input_ids"]
-        return {"input_ids": np.asarray(ids), "labels": np.asarray(label)}
-
     vocab = len(tokenizer) if tokenizer is not None else 0
     image = args.task == "image_classification"
     primary = "pixel_values" if image else "input_ids"
@@ -333,27 +356,15 @@ def prepare_task(args: TaskArguments) -> DataIndex:
     if packing:
         layout["position_ids"] = {"dtype": "int32", "shape": [args.seq_len]}
     dtypes = {primary: np.dtype(np.uint8) if image else token_dtype(vocab), **{k: np.dtype(v["dtype"]) for k, v in layout.items()}}
-    buffer: dict[str, list] = {}
-    shards, skipped = [], 0
-
-    def flush():
-        if buffer:
-            shards.append(write_shard(work, len(shards), {k: np.stack(v).astype(dtypes[k]) for k, v in buffer.items()}))
-            buffer.clear()
-
     if packing:
         rows, skipped = pack_sft(tokenizer, [examples[i] for i in order], args.seq_len, rng)
     else:
-        rows = (fields_of(examples[i]) for i in tqdm(order, desc=f"preparing {args.task}", unit=" examples"))
-    for fields in rows:
-        if fields is None:
-            skipped += 1
-            continue
-        for name, value in fields.items():
-            buffer.setdefault(name, []).append(value)
-        if len(buffer[primary]) == args.samples_per_shard:
-            flush()
-    flush()
+        rows, skipped = (
+            (example_fields(args, tokenizer, examples[i]) for i in tqdm(order, desc=f"preparing {args.task}", unit=" examples")),
+            0,
+        )
+    shards, dropped = write_rows(work, rows, dtypes, primary, args.samples_per_shard)
+    skipped += dropped
     if not shards:
         shutil.rmtree(work)
         raise ConfigError(
