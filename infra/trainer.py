@@ -248,12 +248,12 @@ class Trainer:
         acc = self.accelerator = accelerator
         self.args, self.data_args, self.config, self.job = args, data_args, config, job
         self.hooks = hooks or Hooks()
+        with exit_on(LaunchError, "launch error"):  # a refusal here leaves nothing on disk, not even the lock
+            checkpoint_activations(acc, job.model, args.gradient_checkpointing)
         claim(acc, args.output_dir)  # one job per output_dir: before anything is written, held to the end
         if acc.is_main_process:
             clear_stop_record(args.output_dir)
         ready_for_fsdp(acc, job.model)  # before the optimizer takes the parameters
-        with exit_on(LaunchError, "launch error"):
-            checkpoint_activations(acc, job.model, args.gradient_checkpointing)
         optimizer = build_optimizer(job.model, args)
         self.loader, self.cursor = build_loader(acc, job.data, data_args, args)
         self.model, self.optimizer = acc.prepare(job.model, optimizer)
