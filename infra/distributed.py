@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, InitProcessGroupKwargs
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, TorchDynamoPlugin
 
 from infra.environment import REPO
 from infra.precision import Precision, PrecisionError, resolve
@@ -35,8 +35,11 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def build_accelerator(args: TrainingArguments, log_with: str | None = None) -> tuple[Accelerator, Precision]:
-    """The recipe's Accelerator (mixed precision, accumulation, timeouts and CPU fixes applied) and the precision chosen."""
+def build_accelerator(
+    args: TrainingArguments, log_with: str | None = None, dynamo_plugin: TorchDynamoPlugin | None = None
+) -> tuple[Accelerator, Precision]:
+    """The recipe's Accelerator (mixed precision, accumulation, timeouts, what it compiles and CPU fixes applied) and the
+    precision chosen."""
     try:
         precision = resolve(args.mixed_precision)
     except PrecisionError as err:
@@ -66,6 +69,7 @@ def build_accelerator(args: TrainingArguments, log_with: str | None = None) -> t
         log_with=log_with,
         step_scheduler_with_optimizer=False,  # the recipe steps the schedule once per optimizer step
         kwargs_handlers=[init],
+        dynamo_plugin=dynamo_plugin or TorchDynamoPlugin(backend="no"),  # not the launcher's: infra.levers decides
     )
     if fsdp_on_cpu:
         fsdp_over_cpu_processes(accelerator)
@@ -112,25 +116,6 @@ def ready_for_fsdp(accelerator: Accelerator, model: torch.nn.Module) -> None:
         for module in model.modules():
             if any(p.is_meta for p in module.parameters(recurse=False)):
                 module.to_empty(device="cpu", recurse=False)
-
-
-def checkpoint_activations(accelerator: Accelerator, model: torch.nn.Module, wanted: bool) -> None:
-    """Activation checkpointing (`gradient_checkpointing`), before `prepare`: under FSDP its own (accelerate applies it
-    to the wrapped units), else transformers' non-reentrant one. The recipe's field is the one source of truth: a
-    launcher config with `fsdp_activation_checkpointing: true` and the field false is refused."""
-    if accelerator.distributed_type == DistributedType.FSDP:
-        launcher = os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true"
-        if launcher and not wanted:
-            raise LaunchError(
-                "the launcher config sets fsdp_activation_checkpointing: true but the recipe's gradient_checkpointing is false: "
-                "set gradient_checkpointing: true (the one place it is decided) and drop it from the launcher config"
-            )
-        accelerator.state.fsdp_plugin.activation_checkpointing = wanted
-        return
-    if wanted:
-        if not getattr(model, "supports_gradient_checkpointing", False):
-            raise LaunchError(f"gradient_checkpointing: {type(model).__name__} does not support it")
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
 def requested_engine() -> DistributedType | None:

@@ -17,6 +17,7 @@ from accelerate import Accelerator
 from infra.config import to_json
 from infra.distributed import all_ranks_ok
 from infra.files import atomic_write_text, fsync_tree, publish_dir
+from infra.lora import is_adapted
 from infra.tracking import log_model
 
 
@@ -31,8 +32,18 @@ def write_model_card(folder: str | os.PathLike, recipe: str, config: dict, metri
 class Exporter:
     """Writes `final/` (every rank takes part: sharded weights are gathered) and logs it to MLflow on request."""
 
-    def __init__(self, accelerator: Accelerator, output_dir: str | os.PathLike, recipe: str, processor: Any, task: str, config: dict):
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        output_dir: str | os.PathLike,
+        recipe: str,
+        processor: Any,
+        task: str,
+        config: dict,
+        adapter_only: bool = False,
+    ):
         self.accelerator, self.recipe, self.processor, self.task, self.config = accelerator, recipe, processor, task, config
+        self.adapter_only = adapter_only  # a LoRA model: its adapter alone; else merged into the base
         self.final = Path(output_dir) / "final"
 
     def export(self, model: torch.nn.Module, summary: dict[str, Any]) -> Path:
@@ -43,13 +54,20 @@ class Exporter:
         if acc.is_main_process:
             shutil.rmtree(work, ignore_errors=True)
         acc.wait_for_everyone()
-        acc.unwrap_model(model).save_pretrained(
-            work,
-            state_dict=acc.get_state_dict(model),
-            is_main_process=acc.is_main_process,
-            save_function=acc.save,
-            safe_serialization=True,
-        )
+        unwrapped = acc.unwrap_model(model)
+        if is_adapted(unwrapped):  # DDP or one process (infra.lora): every rank holds the whole model
+            if self.adapter_only:  # adapter_config.json and adapter_model.safetensors: peft's PeftModel.from_pretrained
+                unwrapped.save_pretrained(work, is_main_process=acc.is_main_process, safe_serialization=True)
+            else:  # the base with the adapter folded in: from_pretrained as any model (the run is over: merged in place)
+                unwrapped.merge_and_unload().save_pretrained(work, is_main_process=acc.is_main_process, safe_serialization=True)
+        else:
+            unwrapped.save_pretrained(
+                work,
+                state_dict=acc.get_state_dict(model),
+                is_main_process=acc.is_main_process,
+                save_function=acc.save,
+                safe_serialization=True,
+            )
         acc.wait_for_everyone()  # every rank is done with the folder (save_pretrained lists it on each)
         error = None
         if acc.is_main_process:

@@ -30,8 +30,16 @@ class Throughput:
         """Time the loop spent waiting for data (the share of the step the loader did not hide)."""
         self._waited += seconds
 
+    def restart(self) -> None:
+        """Forget the window so far (a compiling step is not throughput)."""
+        self._start, self._tokens, self._steps, self._waited = time.perf_counter(), 0, 0, 0.0
+
     def rate(self) -> dict[str, float]:
-        """units/s, and seconds per step and of data wait per step, since the previous call; then starts a new window."""
+        """units/s, and seconds per step and of data wait per step, since the previous call (nothing if no step was
+        counted); then starts a new window."""
+        if not self._steps:
+            self.restart()
+            return {}
         now = time.perf_counter()
         elapsed = max(now - self._start, 1e-9)
         steps = max(self._steps, 1)
@@ -42,13 +50,23 @@ class Throughput:
 
 class TrainMetrics:
     """What is logged every `logging_steps`: the mean loss of the window's finite steps, the learning rate, progress,
-    throughput and (on GPUs whose peak is known) model FLOPs utilisation."""
+    throughput and (on GPUs whose peak is known) model FLOPs utilisation. A compiled model's first step in a process
+    (where it compiles) is left out of the throughput; the compile time is logged on its own."""
 
-    def __init__(self, accelerator, unit: str, flops_per_unit: float | None):
+    def __init__(self, accelerator, unit: str, flops_per_unit: float | None, compiled: bool = False):
         self.accelerator, self.unit, self.flops_per_unit = accelerator, unit, flops_per_unit
+        self.compiled, self.compiling = compiled, compiled
         self.peak = peak_bf16_flops(torch.cuda.get_device_name(accelerator.device) if accelerator.device.type == "cuda" else None)
         self.meter = Throughput(unit)
         self.loss_sum, self.loss_count = torch.zeros((), device=accelerator.device), 0
+
+    def count_step(self, units: int) -> None:
+        """An optimizer step's units (tokens, samples) for the throughput."""
+        if self.compiling:
+            self.compiling = False
+            self.meter.restart()
+        else:
+            self.meter.add(units)
 
     def add_loss(self, loss_sum: torch.Tensor, items: torch.Tensor | float) -> None:
         """A finite step: this rank's loss summed over its items, and the items of the whole step (every rank). Left on
@@ -73,7 +91,12 @@ class TrainMetrics:
             "train/epoch": epoch,
         }
         logged.update({f"perf/{k}": v for k, v in self.meter.rate().items()})
-        if self.peak and self.flops_per_unit:  # model FLOPs utilisation, only where the device's peak is known
+        if self.compiled:
+            from infra.levers import compile_seconds
+
+            logged["perf/compile_seconds"] = compile_seconds()
+        # model FLOPs utilisation, only where the device's peak is known
+        if self.peak and self.flops_per_unit and f"perf/{self.unit}_per_second" in logged:
             logged["perf/mfu"] = logged[f"perf/{self.unit}_per_second"] * self.flops_per_unit / (self.peak * acc.num_processes)
         if grad_norm is not None:
             logged["train/grad_norm"] = float(grad_norm)

@@ -24,6 +24,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, gather_object
 
 from infra.checkpoint.integrity import seal_shared
+from infra.checkpoint.trainable import load_state
 from infra.config import require
 from infra.distributed import all_ranks_ok
 from infra.health import parameter_fingerprint
@@ -163,9 +164,10 @@ def round_trip(accelerator: Accelerator, model: torch.nn.Module, output_dir: str
         if not sharded:
             with torch.no_grad():
                 for p in unwrapped.parameters():
-                    p.add_(1.0)
+                    if p.requires_grad:  # frozen ones are not in checkpoints (infra.checkpoint.trainable)
+                        p.add_(1.0)
         start = time.perf_counter()
-        error = attempt(lambda: accelerator.load_state(str(scratch)))
+        error = attempt(lambda: load_state(accelerator, scratch))
         saved = all_ranks_ok(accelerator, error is None)
         load_seconds = time.perf_counter() - start
     accelerator.wait_for_everyone()

@@ -31,6 +31,7 @@ from accelerate.utils import set_seed
 from infra.config import require
 from infra.data import DataArguments, PackedDataset, check_fits_model
 from infra.distributed import LaunchError, build_accelerator
+from infra.levers import dynamo_plugin
 from infra.metrics import flops_per_token
 from infra.tracking import run_status
 
@@ -138,8 +139,8 @@ def run_recipe(main: Callable[[], None]) -> NoReturn:
     Why: after a clean finish (process group destroyed, files committed, MLflow run ended), a rank
     sometimes aborted in C++ static destructors at exit ("terminate called without an active
     exception", SIGABRT, no Python frame left: 1 launch in 20 to 40 here, with torch 2.13 and gloo),
-    which turned a finished job into a failed one. So the process exits as Python would (other
-    threads joined, atexit handlers run, streams flushed) and then skips the C++ teardown. A bug's
+    which turned a finished job into a failed one. So the process exits as Python would (threading's
+    exit hooks, other threads joined, atexit handlers run, streams flushed) and then skips the C++ teardown. A bug's
     exception propagates and exits the usual way, with its traceback.
     """
     try:
@@ -150,9 +151,10 @@ def run_recipe(main: Callable[[], None]) -> NoReturn:
         code = exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 1
         if not isinstance(exit_.code, int | None):
             print(exit_.code, file=sys.stderr)
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # Python's own first step of shutting down: the threading exit hooks (concurrent.futures wakes its idle workers, those
+    # torch.compile's thread pool left waiting, so they end), then every other non-daemon thread joined. Joining them
+    # without the hooks hung a compiled run at exit.
+    threading._shutdown()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -168,7 +170,8 @@ def start(args: TrainingArguments) -> Accelerator:
     """
     faulthandler.enable(all_threads=True)
     try:
-        accelerator, precision = build_accelerator(args, log_with=None if args.report_to == "none" else args.report_to)
+        log_with = None if args.report_to == "none" else args.report_to
+        accelerator, precision = build_accelerator(args, log_with, dynamo_plugin(args))
     except LaunchError as err:
         raise SystemExit(f"launch error: {err}") from None
     accelerator.print(precision)

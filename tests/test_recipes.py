@@ -502,6 +502,20 @@ def test_recipe_under_sharding_resumes_exactly(recipe, accelerate_config, reques
     straight_then_resumed(recipe, accelerate_config, request.getfixturevalue(f"{recipe}_inputs"), tmp_path, ("--report_to", "none"))
 
 
+@pytest.mark.multiprocess
+def test_lora_checkpoints_hold_the_adapter_and_resume_exactly(sft_clm_inputs, tmp_path):
+    """sft_clm with use_peft on 2 CPU processes: resumed == straight, bit for bit (merged export); each checkpoint holds the
+    adapter and the optimizer state of its parameters only."""
+    lora = ("--use_peft", "true", "--lora_r", "4", "--async_save", "true")  # step N is resumed from a background save
+    a, _ = straight_then_resumed("sft_clm", "cpu.yaml", sft_clm_inputs, tmp_path, lora)
+    for step in (STEPS, 2 * STEPS):  # written in the background, and synchronously (the last)
+        checkpoint = a / "out" / "checkpoints" / f"step_{step:08d}"
+        saved = load_file(checkpoint / "model.safetensors")
+        assert saved and all(".lora_A." in name or ".lora_B." in name for name in saved)
+        optimizer = torch.load(checkpoint / "optimizer.bin", weights_only=True)
+        assert len(optimizer["state"]) == len(saved)  # Adam moments for the adapter only
+
+
 def test_an_image_folder_prepares_with_its_subfolders_as_labels(tmp_path):
     """A folder with one subfolder per label (datasets' imagefolder), resized and greyed to the asked shape."""
     from PIL import Image

@@ -189,7 +189,7 @@ def test_train_metrics_average_the_finite_steps_of_each_window():
     metrics = TrainMetrics(Accelerator(cpu=True), "tokens", flops_per_unit=None)
     metrics.add_loss(torch.tensor(6.0), items=2)  # a step of 2 items whose losses sum to 6
     metrics.add_loss(torch.tensor(2.0), items=2)
-    metrics.meter.add(512)
+    metrics.count_step(512)
     logged, mean = metrics.collect(learning_rate=1e-3, units_seen=512, epoch=0, grad_norm=torch.tensor(0.5))
     assert mean == logged["train/loss"] == 2.0  # (6 + 2) / 4 items
     assert logged["train/learning_rate"] == 1e-3 and logged["train/tokens_seen"] == 512 and logged["train/grad_norm"] == 0.5

@@ -35,6 +35,7 @@ from accelerate.utils import DistributedType, broadcast_object_list
 from infra.checkpoint.integrity import MANIFEST, CheckpointError, Checksums, fsync_dirs, problem, read_manifest, seal, seal_shared, share
 from infra.checkpoint.retention import RetentionConfig, RetentionPolicy
 from infra.checkpoint.staging import CpuStaging
+from infra.checkpoint.trainable import load_state
 from infra.config import require, to_json
 from infra.distributed import all_ranks_ok, gathered
 from infra.files import atomic_write_text, drop_cached, fsync_dir
@@ -158,7 +159,7 @@ class CheckpointManager:
             except Exception as err:  # whatever it is, every rank must reach the gather below
                 mismatch = f"checksumming failed ({err})"
         try:
-            acc.load_state(str(path))
+            load_state(acc, path)
         except Exception as err:  # a damaged file the checksums will name, usually
             error = f"loading failed ({err})"
         if checking is not None:

@@ -74,7 +74,10 @@ class CpuStaging:
                 return type(value)(to_cpu(v) for v in value)
             return value
 
-        weights = [to_cpu(acc.get_state_dict(m, unwrap=False)) for m in acc._models]
+        weights = [acc.get_state_dict(m, unwrap=False) for m in acc._models]
+        for hook in acc._save_model_state_pre_hook.values():  # as save_state runs them (infra.checkpoint.trainable's)
+            hook(acc._models, weights, str(work))
+        weights = [to_cpu(w) for w in weights]
         optimizers = [_Frozen(to_cpu(o.state_dict())) for o in acc._optimizers]
         schedulers = [_Frozen(to_cpu(s.state_dict())) for s in acc._schedulers]
         if on_gpu:
