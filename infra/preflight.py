@@ -28,8 +28,7 @@ from infra.checkpoint.trainable import load_state
 from infra.config import require
 from infra.distributed import all_ranks_ok
 from infra.health import parameter_fingerprint
-
-GIB = 1 << 30
+from infra.memory import GIB, Setup, Shape, estimate, refusal, table, usable_memory
 
 
 @dataclass
@@ -59,6 +58,7 @@ class Check:
     name: str
     ok: bool
     detail: str
+    more: str = ""  # printed under the table (the memory estimate's own)
 
 
 def _size(n: float) -> str:
@@ -87,6 +87,19 @@ def accelerators(accelerator: Accelerator) -> Check:
         return Check("accelerators", False, f"the ranks train in different precisions ({', '.join(precisions)}): set mixed_precision")
     kinds = sorted({where for where, _ in every}, key=[where for where, _ in every].index)
     return Check("accelerators", True, f"{accelerator.num_processes} ranks ({accelerator.distributed_type.value}): " + "; ".join(kinds[:4]))
+
+
+def memory_fit(accelerator: Accelerator, model: torch.nn.Module, shape: Shape, setup: Setup) -> Check:
+    """The estimate of what a training step holds on this rank (infra.memory), with its table, against what the rank may
+    use; refused with the levers that would make it fit."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))  # on this machine
+    usable = usable_memory(accelerator.device, local_ranks, model)
+    rows = estimate(shape, setup)
+    title = f"memory estimate per rank ({setup.engine}, {'bf16' if setup.bf16 else 'fp32'}"
+    title += f", activation checkpointing {'on' if setup.checkpointing else 'off'}):"
+    why = refusal(shape, setup, usable)
+    detail = why or f"~{sum(rows.values()) / GIB:.2f} GiB of {usable / GIB:.1f} GiB per rank"
+    return Check("memory", why is None, detail, f"{title}\n{table(rows, usable)}")
 
 
 def collective(accelerator: Accelerator) -> Check:
@@ -235,6 +248,7 @@ def run_preflight(
     most_kept: int,
     tracking_uri: str | None,
     data_checksums: bool = False,
+    memory: tuple[Shape, Setup] | None = None,
 ) -> float:
     """Every check, one table on rank 0; raises PreflightError (exit 1) on every rank if a check failed on any.
 
@@ -244,6 +258,8 @@ def run_preflight(
     """
     main = accelerator.is_main_process
     checks = [accelerators(accelerator), collective(accelerator)]
+    if memory is not None:
+        checks.append(memory_fit(accelerator, model, *memory))
     if main:
         checks += [data(dataset, data_checksums), writable(output_dir)]
     can_save = all_ranks_ok(accelerator, all(c.ok for c in checks))
@@ -260,6 +276,9 @@ def run_preflight(
     mine = [f"{c.name}: {c.detail}" + (f" (rank {accelerator.process_index})" if not main else "") for c in checks if not c.ok]
     failed = [f for rank in gather_object([mine]) for f in rank] if accelerator.num_processes > 1 else mine
     accelerator.print(report(checks))
+    for check in checks:
+        if check.more:
+            accelerator.print(check.more)
     if failed:
         raise PreflightError("preflight failed: " + "; ".join(dict.fromkeys(failed)))
     return save_seconds

@@ -53,6 +53,7 @@ from infra.health import STRAGGLER_EXIT_CODE, HealthConfig, Heartbeat, Straggler
 from infra.levers import LeverConfig, checkpoint_activations, compile_blocks
 from infra.lock import claim
 from infra.lora import check_engine
+from infra.memory import Setup, Shape
 from infra.metrics import TrainMetrics
 from infra.optim import OptimizerConfig, build_optimizer, build_scheduler
 from infra.precision import PrecisionConfig
@@ -197,6 +198,14 @@ class StepResult:
     preempted: str | None  # the signal (SIGTERM or SIGUSR1) that reached some rank
 
 
+def job_shape(job: Job, args: TrainingArguments) -> Shape | None:
+    """What the memory estimate needs of the job: token models with a transformers config (None otherwise: images)."""
+    config = getattr(job.model, "config", None)
+    if job.unit != "tokens" or not all(hasattr(config, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads")):
+        return None
+    return Shape.of(job.model, args.per_device_train_batch_size, job.units_per_sample, causal_lm=job.task == "text-generation")
+
+
 def samples_in(batch: Batch) -> int:
     return len(next(iter(batch.values())) if isinstance(batch, dict) else batch)
 
@@ -256,6 +265,7 @@ class Trainer:
         ready_for_fsdp(acc, job.model)  # before the optimizer takes the parameters
         compile_blocks(acc, job.model, args)  # in place, before DDP wraps it (DeepSpeed and FSDP: by accelerate in prepare)
         optimizer = build_optimizer(job.model, args)
+        self.shape = job_shape(job, args)  # before prepare shards it
         self.loader, self.cursor = build_loader(acc, job.data, data_args, args)
         self.model, self.optimizer = acc.prepare(job.model, optimizer)
         if has_frozen_parameters(acc):  # LoRA: checkpoints hold the adapter (and its optimizer state) only
@@ -329,6 +339,7 @@ class Trainer:
             self.retention.most_kept(args.max_steps, args.save_steps),
             tracking_uri() if args.report_to == "mlflow" else None,
             data_checksums=self.job.data.preflight_hashes,
+            memory=(self.shape, Setup.of(self.accelerator, args.gradient_checkpointing)) if self.shape else None,
         )
 
     def resume(self, save_seconds: float = 0.0) -> None:
