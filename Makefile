@@ -75,13 +75,14 @@ compare: setup  ## table of an experiment's runs and a PNG of their loss curves 
 plan: setup  ## capacity and checkpoint-interval plan (ARGS="--gpus 64 --per_gpu_batch 32 --step_seconds 1.2 --checkpoint_minutes 2 --simulate")
 	$(BIN)/python -m infra.plan $(ARGS)
 
-bench: data  ## benchmarks, as ratios to anchors measured in the same run (data, checkpoints, recipe overhead, packing)
+bench: data  ## benchmarks, as ratios to anchors measured in the same run (data, checkpoints, recipe overhead, packing, levers)
 	$(BIN)/python benchmarks/data_pipeline.py
 	$(BIN)/python benchmarks/checkpoint_cost.py
 	$(BIN)/python benchmarks/recipe_overhead.py
 	$(BIN)/python benchmarks/packing.py
+	$(BIN)/python benchmarks/levers.py
 
-gpu-check: setup  ## on a GPU machine: every GPU config x every recipe for a few bf16 steps, tokens/s, images/s, MFU (< 8 min)
+gpu-check: setup  ## on a GPU machine: the 125m and 1b presets (compile, checkpointing), then every GPU config x every recipe: tokens/s, MFU (< 10 min)
 	$(BIN)/python benchmarks/gpu_check.py $(ARGS)
 
 lint: setup  ## ruff: lint and format check over the whole tree

@@ -91,6 +91,8 @@ class TrainMetrics:
             "train/epoch": epoch,
         }
         logged.update({f"perf/{k}": v for k, v in self.meter.rate().items()})
+        if acc.device.type == "cuda":  # the allocator's peak: what the memory estimate (infra.memory) is checked against
+            logged["perf/max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(acc.device) / (1 << 30)
         if self.compiled:
             from infra.levers import compile_seconds
 

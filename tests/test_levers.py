@@ -184,3 +184,29 @@ def test_compiled_runs_match_eager_ones_and_resume_each_other(small_data, tmp_pa
             assert got[step] == pytest.approx(loss, rel=1e-3), (step, got[step], loss)
     for store in (tmp_path / "compiled" / "mlflow.db", tmp_path / "eager_then_other" / "mlflow.db"):  # they compiled, and said how long
         assert metric(store, "perf/compile_seconds") > 0
+
+
+@pytest.mark.slow
+def test_fsdp_activation_checkpointing_leaves_training_as_it_was(small_data, tmp_path):
+    """FSDP2 on 2 CPU processes (fp32, no dropout): 4 steps with FSDP's activation checkpointing end at the weights of
+    4 steps without it; and the launcher's fsdp_activation_checkpointing without the recipe's field is refused."""
+    from safetensors.torch import load_file
+
+    from infra.distributed import FSDP_ON_CPU_ENV
+    from tests.conftest import launch
+
+    def run(name: str, *extra: str, env: dict | None = None):
+        args = ["--config", str(REPO / "recipes" / "configs" / "pretrain_clm.yaml"), "--data_dir", str(small_data)]
+        args += ["--output_dir", str(tmp_path / name), "--max_steps", "4", "--mixed_precision", "no", "--eval_samples", "0"]
+        args += ["--report_to", "none", "--hidden_size", "64", "--intermediate_size", "128", *extra]
+        return launch("fsdp.yaml", args, tmp_path, env={FSDP_ON_CPU_ENV: "1", **(env or {})})
+
+    assert run("off").returncode == 0
+    on = run("on", "--gradient_checkpointing", "true")
+    assert on.returncode == 0
+    a, b = load_file(tmp_path / "off" / "final" / "model.safetensors"), load_file(tmp_path / "on" / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7) for k in a)
+    refused = run("refused", env={"FSDP_ACTIVATION_CHECKPOINTING": "true"})
+    assert refused.returncode != 0
+    assert "launch error: the launcher config sets fsdp_activation_checkpointing: true" in refused.stderr
+    assert not (tmp_path / "refused").exists()

@@ -75,3 +75,18 @@ def test_both_exports_compute_what_the_adapted_model_did(base, tiny_data, tmp_pa
     assert torch.equal(from_adapter, expected)
     assert torch.allclose(from_merged, expected, atol=1e-5)
     assert not any("lora" in name for name in load_file(merged / "model.safetensors"))
+
+
+@pytest.mark.parametrize("engine", ["DEEPSPEED", "FSDP"])
+def test_lora_under_zero_or_fsdp_is_refused_in_one_line(base, engine):
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from infra.lora import check_engine
+
+    accelerator = SimpleNamespace(distributed_type=DistributedType[engine])
+    assert check_engine(accelerator, adapted(base)) == (
+        f"use_peft runs under DDP or one process here, not {DistributedType[engine].value}: use cpu.yaml or ddp.yaml"
+    )
+    assert check_engine(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU), adapted(base)) is None

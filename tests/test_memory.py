@@ -13,45 +13,21 @@ import pytest
 from infra.memory import GIB, Setup, Shape, estimate, refusal
 from tests.conftest import REPO, launch
 
-# A training step of a Llama in its own process: the rise of the peak resident memory from before the model was built,
-# over two AdamW steps (the second holds the moments). MALLOC_MMAP_THRESHOLD_ is fixed, so that freed tensors go back
-# to the kernel as the caching allocator of a GPU would reuse them: otherwise glibc keeps them, and the resident
-# memory counts what was freed long ago.
-STEP = """
-import json, sys, torch
-from transformers import AutoConfig, AutoModelForCausalLM
-from infra.memory import Setup, Shape, estimate
+STEP = REPO / "tests" / "memory_step.py"
 
-def status(key):
-    return int(next(line for line in open("/proc/self/status") if line.startswith(key)).split()[1]) * 1024
 
-hidden, layers, batch, seq_len, checkpointing, bf16 = 256, 4, 4, 512, sys.argv[1] == "on", sys.argv[2] == "bf16"
-config = AutoConfig.for_model("llama", vocab_size=4096, hidden_size=hidden, intermediate_size=688, num_hidden_layers=layers,
-                              num_attention_heads=4, tie_word_embeddings=True)
-base = status("VmRSS:")
-model = AutoModelForCausalLM.from_config(config)
-if checkpointing:
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-model.train()
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-ids = torch.randint(0, 4096, (batch, seq_len))
-for _ in range(2):
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-setup = Setup(bf16=bf16, checkpointing=checkpointing, device="cpu")
-print(json.dumps({"measured": status("VmHWM:") - base, "estimate": sum(estimate(Shape.of(model, batch, seq_len, True), setup).values())}))
-"""
+def measured_step(*argv: str) -> dict[str, float]:
+    """The measured peak of a training step and the estimate, from tests/memory_step.py in a fresh process."""
+    env = {"MALLOC_MMAP_THRESHOLD_": "131072", "PATH": "", "PYTHONPATH": str(REPO)}  # see memory_step.py
+    out = subprocess.run([sys.executable, str(STEP), *argv], cwd=REPO, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.splitlines()[-1])
 
 
 @pytest.mark.parametrize(("checkpointing", "precision"), [("off", "fp32"), ("on", "fp32"), ("off", "bf16")])
 def test_the_estimate_is_within_15_percent_of_the_measured_peak(checkpointing, precision):
-    env = {"MALLOC_MMAP_THRESHOLD_": "131072", "PATH": ""}
-    out = subprocess.run([sys.executable, "-c", STEP, checkpointing, precision], cwd=REPO, env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    result = json.loads(out.stdout.splitlines()[-1])
+    """A Llama of 4 layers, hidden 256, batch 4 x 512 tokens."""
+    result = measured_step("256", "4", "688", "4", "4", "512", checkpointing, precision)
     assert abs(result["estimate"] / result["measured"] - 1) <= 0.15, result
 
 

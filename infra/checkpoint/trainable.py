@@ -44,4 +44,7 @@ def keep_trainable_only(accelerator: Accelerator) -> None:
 def load_state(accelerator: Accelerator, path: str | Path) -> None:
     """`accelerator.load_state`: strict, except for a model with frozen parameters, whose file holds the others only
     (and is checked by `keep_trainable_only`'s hook instead)."""
-    accelerator.load_state(str(path), strict=not has_frozen_parameters(accelerator))
+    if has_frozen_parameters(accelerator):  # DDP or one process (DeepSpeed's load takes no `strict`)
+        accelerator.load_state(str(path), strict=False)
+    else:
+        accelerator.load_state(str(path))
