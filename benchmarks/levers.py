@@ -10,8 +10,9 @@ learning rate and warmup. For each set of levers (none, activation checkpointing
 run in fresh processes: pretrain_clm.py as users run it (checkpoint at the end, MLflow, progress bar)
 and transformers' Trainer on the same samples (gradient_checkpointing=True; torch_compile=True, which
 compiles the whole model where the recipe compiles each layer). Steady state: the seconds per step of
-windows of 5 steps, the first window (start-up, compilation) left out, the median taken. Ratios > 1:
-the recipe is faster.
+windows of 5 steps, the first window (start-up, compilation) left out, the median taken. Each arm runs
+`--repeats` times, alternating which goes first; the median of the pairs' ratios is printed with their
+range (on a shared VM one run's pace can swing 2x). Ratios > 1: the recipe is faster.
 """
 
 from __future__ import annotations
@@ -118,11 +119,19 @@ def peak_memory(checkpointing: bool) -> dict[str, float]:
     return measured_step(*size, "8", "256", "on" if checkpointing else "off", "fp32")
 
 
+def run_arm(arm: str, lever: str, args, work: Path) -> list[float]:
+    if arm == "recipe":
+        return recipe_seconds(args.data_dir, args.steps, LEVERS[lever], work)
+    cmd = [sys.executable, __file__, "--trainer", lever, "--data_dir", args.data_dir, "--steps", str(args.steps), "--work", str(work)]
+    return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO).stdout.splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data_dir", default=str(REPO / "data" / "stdlib"))
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--levers", nargs="+", default=list(LEVERS), choices=list(LEVERS))
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each arm, alternating; the median of the pairs' ratios")
     parser.add_argument("--trainer", choices=list(LEVERS), help=argparse.SUPPRESS)  # internal: one Trainer run
     parser.add_argument("--work", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -132,18 +141,22 @@ def main() -> None:
     import torch
 
     print(f"CPU: torch capability {torch.backends.cpu.get_cpu_capability()}; one process; {MODEL}, batch 8 x 256 tokens")
-    recipe, trainer = {}, {}
+    recipe: dict[str, list[float]] = {lever: [] for lever in args.levers}
+    trainer: dict[str, list[float]] = {lever: [] for lever in args.levers}
+    for repeat in range(args.repeats):  # alternating which goes first, so that drifts of the machine hit both alike
+        for lever in args.levers:
+            arms = [("recipe", recipe), ("trainer", trainer)]
+            for arm, into in arms if repeat % 2 == 0 else arms[::-1]:
+                with tempfile.TemporaryDirectory() as work:
+                    into[lever].append(steady(run_arm(arm, lever, args, Path(work))))
     for lever in args.levers:
-        with tempfile.TemporaryDirectory() as work:
-            recipe[lever] = steady(recipe_seconds(args.data_dir, args.steps, LEVERS[lever], Path(work)))
-        with tempfile.TemporaryDirectory() as work:
-            cmd = [sys.executable, __file__, "--trainer", lever, "--data_dir", args.data_dir, "--steps", str(args.steps), "--work", work]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO).stdout.splitlines()[-1]
-            trainer[lever] = steady(json.loads(out))
-        ratio = trainer[lever] / recipe[lever]
-        print(f"{lever:<14} recipe {recipe[lever]:.3f} s/step, Trainer {trainer[lever]:.3f} s/step: {ratio:.2f}x (goal >= 1.0)")
+        pairs = [t / r for r, t in zip(recipe[lever], trainer[lever], strict=True)]
+        seconds = f"recipe {statistics.median(recipe[lever]):.3f} s/step, Trainer {statistics.median(trainer[lever]):.3f} s/step"
+        print(f"{lever:<14} {seconds}: {statistics.median(pairs):.2f}x (pairs {min(pairs):.2f}-{max(pairs):.2f}; goal >= 1.0)")
     if "compile" in recipe and "none" in recipe:
-        print(f"compiled / eager, recipe: {recipe['none'] / recipe['compile']:.2f}x tokens/s (goal >= 1.1 on CPU)")
+        pairs = [e / c for e, c in zip(recipe["none"], recipe["compile"], strict=True)]
+        spread = f"pairs {min(pairs):.2f}-{max(pairs):.2f}"
+        print(f"compiled / eager, recipe: {statistics.median(pairs):.2f}x tokens/s ({spread}; goal >= 1.1 on CPU)")
     off, on = peak_memory(False), peak_memory(True)
     mib = f"{on['measured'] / 2**20:.0f} / {off['measured'] / 2**20:.0f} MiB"
     print(f"peak memory, checkpointing on / off: {on['measured'] / off['measured']:.2f}x (goal <= 0.6; {mib})")

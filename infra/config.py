@@ -116,8 +116,8 @@ def _read_yaml(path: str) -> dict:
 
 
 def _as_flags(key: str, value: Any) -> list[str]:
-    if isinstance(value, list):
-        return [f"--{key}", *map(str, value)]
+    if isinstance(value, list):  # a mapping in the list becomes one `k=v,k=v` item (data_mixture's sources)
+        return [f"--{key}", *(",".join(f"{k}={v}" for k, v in item.items()) if isinstance(item, dict) else str(item) for item in value)]
     if isinstance(value, (dict, tuple, set)):
         raise ConfigError(f"{key}={value!r} is not valid: expected a single value")
     return [f"--{key}", str(value)]

@@ -22,6 +22,7 @@ components declare beside themselves.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -45,6 +46,8 @@ from infra.checkpoint.trainable import has_frozen_parameters, keep_trainable_onl
 from infra.config import require
 from infra.consensus import StepConsensus
 from infra.data import DataArguments, DataCursor, ResumableLoader, SampleTrace, eval_batches
+from infra.data.errors import DataError
+from infra.data.mixture import MixtureCursor, MixtureLoader
 from infra.distributed import LaunchError, ready_for_fsdp
 from infra.environment import environment_facts
 from infra.export import Exporter
@@ -217,7 +220,23 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
 
 
 def build_loader(accelerator: Accelerator, data: Data, data_args: DataArguments, args: TrainingArguments):
-    """This rank's resumable loader over the training samples, and its cursor."""
+    """This rank's resumable loader over the training samples (one dataset, or a mixture of several), and its cursor."""
+    if data.mixture is not None:
+        m = data.mixture
+        cursor = MixtureCursor(m.sources, m.sizes, allow_new_segment=data_args.new_mixture_segment)
+        loader = MixtureLoader(
+            data.train,
+            cursor,
+            m.shard_sizes,
+            args.per_device_train_batch_size,
+            args.seed,
+            accelerator.process_index,
+            accelerator.num_processes,
+            num_workers=data_args.num_workers,
+            shuffle_window=data_args.shuffle_window,
+            pin_memory=accelerator.device.type == "cuda",
+        )
+        return loader, cursor
     cursor = DataCursor()
     try:
         loader = ResumableLoader(
@@ -350,7 +369,8 @@ class Trainer:
             path, manifest = self.checkpoints.resume(args.resume_from_checkpoint, checksums=args.verify_checksums)
         if manifest:
             state.load_state_dict(manifest)
-            self.cursor.load_state_dict(manifest["cursor"])
+            with exit_on(DataError, "data error"):  # a data_mixture other than the checkpoint's, say
+                self.cursor.load_state_dict(manifest["cursor"])
         self.clock.restart()
         if save_seconds and args.save_interval_minutes == "auto":  # Young/Daly from the preflight's save, not a default
             acc.print(f"a save takes {save_seconds:.1f}s: saving every {self.clock.saved(save_seconds):.1f} min (Young/Daly)")
@@ -362,7 +382,7 @@ class Trainer:
                 self.config,
                 args.output_dir,
                 run_id=manifest.get("mlflow_run_id"),
-                tags={**run_tags(acc, self.job.name, state.step), "attn_implementation": str(attention_of(self.job.model))},
+                tags={**run_tags(acc, self.job.name, state.step), **self.data_tags()},
                 restart=args.resume_from_checkpoint == "auto",
             )
         # steps logged after the checkpoint and before a crash come again, identical: not twice in the run
@@ -378,6 +398,13 @@ class Trainer:
         self.eta = EtaCheck(acc, state.step, args.max_steps, self.units_per_step, args.time_budget_hours, unit=self.job.unit)
         self.bar = tqdm(total=args.max_steps, initial=state.step, desc="train", disable=not acc.is_local_main_process)
         self.model.train()
+
+    def data_tags(self) -> dict[str, str]:
+        """MLflow tags of what the model reads: its attention kernel; a mixture's segments (weights, where each began)."""
+        tags = {"attn_implementation": str(attention_of(self.job.model))}
+        if isinstance(self.cursor, MixtureCursor):
+            tags["data_mixture_segments"] = json.dumps(self.cursor.segments)
+        return tags
 
     def step(self) -> StepResult:
         """One optimizer step: its micro-batches fetched, their items counted on every rank, accumulation, clipping, the
@@ -420,7 +447,9 @@ class Trainer:
         self.metrics.meter.waited(waited)
         self.stragglers.waited(waited)
         if self.trace:
-            self.trace.write(self.state.step + 1, self.loader.last_sample_ids)
+            ids = self.loader.last_sample_ids
+            sources = self.loader.dataset.source_of(ids) if isinstance(self.loader, MixtureLoader) else None
+            self.trace.write(self.state.step + 1, ids, sources)
         return batch, self.loader.batches_consumed
 
     def count_items(self, batches: list[Batch]) -> torch.Tensor:
@@ -458,6 +487,10 @@ class Trainer:
     def log(self, result: StepResult) -> None:
         state = self.state
         logged, mean_loss = self.metrics.collect(self.scheduler.get_last_lr()[0], state.tokens_seen, self.cursor.epoch, result.grad_norm)
+        if isinstance(self.cursor, MixtureCursor):  # what each source gave so far: known from the position, no collective
+            for name, samples in self.cursor.taken().items():
+                logged[f"train/samples/{name}"] = samples
+                logged[f"train/{self.job.unit}_seen/{name}"] = samples * self.job.units_per_sample
         self.tracker.log(logged, step=state.step)
         self.latest |= logged
         unit = self.job.unit

@@ -64,6 +64,8 @@ def test_resolved_config_flattens_to_dotted_params():
             ["--metric_for_best_model", "eval/loss"],
             "eval_samples=0 is not valid: expected > 0 to rank checkpoints by eval/loss",
         ),
+        ("data_mixture:\n  - {name: a, data_dir: x, weight: -1}\n", [], "data_mixture weight='-1' of 'a' is not valid: expected a number"),
+        ("", ["--data_mixture", "name=a,data_dir=x"], "data_mixture item 'name=a,data_dir=x' is not valid: expected name=..., data_dir="),
         ("", ["--attn_implementation", "flash"], "attn_implementation='flash' is not valid: expected one of sdpa, eager,"),
         ("", ["--attn_implementation", "flash_attention_2"], "expected an installed kernel: flash_attention_2 needs a CUDA GPU"),
         ("", ["--attn_implementation", "flex_attention"], "expected a kernel that trains here: flex_attention needs a CUDA GPU"),
@@ -160,6 +162,8 @@ FROZEN_SURFACE = {
         "shuffle_window": 262144,
         "verify_data_checksums": False,
         "trace_samples": False,
+        "data_mixture": None,
+        "new_mixture_segment": False,
     },
 }
 

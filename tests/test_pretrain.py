@@ -455,3 +455,50 @@ def test_data_on_object_storage_trains_to_the_same_weights(straight, small_data,
     assert_same_weights(straight_tmp / "out", out)
     for rank in (0, 1):
         assert trace(out, rank) == trace(straight_tmp / "out", rank)
+
+
+# Weighted data mixtures (infra.data.mixture; the order itself: tests/test_mixture.py)
+
+
+def mixture_args(tiny_data: Path, small_data: Path, out: Path, max_steps: int, weights=(0.7, 0.3), *extra: str) -> list[str]:
+    """Two sources with the same tokenizer and 64-token samples: the larger tiny_data, the smaller small_data."""
+    mixture = [f"name=big,data_dir={tiny_data},weight={weights[0]}", f"name=small,data_dir={small_data},weight={weights[1]}"]
+    return [*recipe_args(small_data, out, max_steps, "--report_to", "none", *extra), "--data_mixture", *mixture]
+
+
+def mixture_sequence(out: Path, world_size: int, after: int = 0, through: int = 1 << 30) -> list[tuple[int, str]]:
+    """(id, source) in training order over steps after..through: per micro-batch, the ranks' slices in rank order."""
+    traces = [[line for line in trace(out, r) if after < line["step"] <= through] for r in range(world_size)]
+    return [pair for lines in zip(*traces, strict=True) for line in lines for pair in zip(line["ids"], line["sources"], strict=True)]
+
+
+def test_a_mixture_resumes_exactly(tiny_data, small_data, tmp_path):
+    """2 processes over a 0.7/0.3 mixture: N steps, then N more in a new launch == 2N straight, bit for bit; the trace
+    names each sample's source, in the proportions."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert launch("cpu.yaml", mixture_args(tiny_data, small_data, straight, 2 * STEPS), tmp_path).returncode == 0
+    assert launch("cpu.yaml", mixture_args(tiny_data, small_data, resumed, STEPS), tmp_path).returncode == 0
+    second = launch("cpu.yaml", mixture_args(tiny_data, small_data, resumed, 2 * STEPS), tmp_path)
+    assert second.returncode == 0 and f"resumed at step {STEPS}" in second.stdout
+    assert_same_weights(straight, resumed)
+    order = mixture_sequence(straight, 2)
+    assert order == mixture_sequence(resumed, 2)
+    sources = [s for _, s in order]
+    assert abs(sources.count("small") / len(sources) - 0.3) <= 1 / len(sources) + 1e-9
+    changed = launch("cpu.yaml", mixture_args(tiny_data, small_data, resumed, 3 * STEPS, (0.5, 0.5)), tmp_path)
+    assert changed.returncode == 1 and "data error: data_mixture" in changed.stderr and "new_mixture_segment" in changed.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 3)])
+def test_a_mixture_continues_its_order_on_another_world_size(before, after, tiny_data, small_data, tmp_path):
+    """N steps on one world size, N more on another: the samples are those of one process's uninterrupted order."""
+    straight, changed = tmp_path / "straight", tmp_path / "changed"
+    one = launch("cpu.yaml", mixture_args(tiny_data, small_data, straight, STEPS * (before + after)), tmp_path, num_processes=1)
+    assert one.returncode == 0  # as many samples in one process as the two world sizes together
+    assert launch("cpu.yaml", mixture_args(tiny_data, small_data, changed, STEPS), tmp_path, num_processes=before).returncode == 0
+    second = launch("cpu.yaml", mixture_args(tiny_data, small_data, changed, 2 * STEPS), tmp_path, num_processes=after)
+    assert second.returncode == 0 and f"world size {after}" in second.stdout
+    both = mixture_sequence(changed, before, through=STEPS) + mixture_sequence(changed, after, after=STEPS)
+    assert len(both) == STEPS * MICRO_BATCH * ACCUMULATION * (before + after)
+    assert both == mixture_sequence(straight, 1)[: len(both)]

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from infra.config import require
+from infra.config import ConfigError, require
 from infra.data.errors import DataError
 
 
@@ -39,9 +39,30 @@ class DataArguments:
     verify_data_checksums: bool = field(
         default=False, metadata={"help": "sha256 every shard before training (in the preflight, on rank 0; make doctor always does)."}
     )
-    trace_samples: bool = field(default=False, metadata={"help": "Log each step's global sample ids to OUTPUT_DIR/trace/rank{r}.jsonl."})
+    trace_samples: bool = field(
+        default=False,
+        metadata={"help": "Log each step's global sample ids (with a mixture, their sources too) to OUTPUT_DIR/trace/rank{r}.jsonl."},
+    )
+    data_mixture: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Several prepared datasets at set proportions, instead of data_dir: items name=...,data_dir=...,weight=... "
+            "(in YAML a list of {name, data_dir, weight}); see infra.data.mixture."
+        },
+    )
+    new_mixture_segment: bool = field(
+        default=False,
+        metadata={"help": "On a resume with another data_mixture: go on from the checkpoint's position with the new one (else refused)."},
+    )
 
     def __post_init__(self):
+        if self.data_mixture:
+            from infra.data.mixture import parse_sources
+
+            try:
+                parse_sources(self.data_mixture)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
         require(self.num_workers >= 0, "num_workers", self.num_workers, "an integer >= 0")
         require(self.eval_samples >= 0, "eval_samples", self.eval_samples, "an integer >= 0")
         require(self.shuffle_window >= 1, "shuffle_window", self.shuffle_window, "an integer >= 1")
@@ -235,8 +256,10 @@ class SampleTrace:
         self.path.write_text("".join(line + "\n" for line in kept))
         self._file = open(self.path, "a")  # noqa: SIM115 - closed by close()
 
-    def write(self, step: int, ids: list[int]) -> None:
-        self._file.write(json.dumps({"step": step, "ids": ids}) + "\n")
+    def write(self, step: int, ids: list[int], sources: list[str] | None = None) -> None:
+        """The step's sample ids on this rank, and with a data_mixture the source of each."""
+        line = {"step": step, "ids": ids, **({"sources": sources} if sources is not None else {})}
+        self._file.write(json.dumps(line) + "\n")
 
     def flush(self) -> None:
         self._file.flush()

@@ -1,0 +1,269 @@
+"""Weighted mixtures of prepared datasets: one global order over several sources, exact and O(1) to resume.
+
+    data_mixture:                        # in a recipe's YAML (data_dir alone stays the one-source form)
+      - {name: code, data_dir: data/code, weight: 0.7}
+      - {name: docs, data_dir: data/docs, weight: 0.3}
+    --data_mixture name=code,data_dir=data/code,weight=0.7 name=docs,data_dir=data/docs,weight=0.3
+
+Order: position `p` of the mixture (0, 1, 2, ... without end) belongs to the source `pattern[p mod S]`. The pattern is
+one period of a smooth weighted round robin over the weights as integers `W_k` (their sum `S`, at most 10,000), so in
+every prefix of the mixture each source's count is within one sample of `p x weight` (tested for random mixtures).
+A source's `n`-th sample is position `n mod len` of its own epoch `n // len`, in `EpochOrder(seed, source, epoch)`:
+shards shuffled, then windows of samples, as for one source. So a small source starts its next epoch while a large
+one goes on with its first, and within each source the reads stay near-sequential.
+
+Position: one number, the mixture position; each source's count (and epoch) follows from it and the weights. Seeking
+costs a division and two window shuffles per source, wherever the position is. Nothing depends on the world size or
+the DataLoader workers: global batch `g` is positions `[g x G, (g + 1) x G)`, rank `r` takes its slice.
+
+Segments: resuming with other weights or sources is refused, unless `new_mixture_segment: true`. Then a new segment
+starts at the checkpoint's position: each source continues from the count it had reached (a new source from 0), at
+the new weights. The segments are kept in the cursor, so in every checkpoint's manifest, and logged to MLflow.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from infra.data.errors import DataError
+from infra.data.loader import EpochOrder, _collate
+
+RESOLUTION = 10_000  # the weights as integers summing to at most this (one period of the order)
+
+
+@dataclass(frozen=True)
+class Source:
+    name: str
+    data_dir: str
+    weight: float
+
+
+def parse_sources(items: list[str]) -> list[Source]:
+    """`name=code,data_dir=data/code,weight=0.7` items (a YAML mapping becomes one such item) -> Sources; raises
+    ValueError naming what is wrong."""
+    sources = []
+    for item in items:
+        fields = dict(part.split("=", 1) for part in str(item).split(",") if "=" in part)
+        if set(fields) != {"name", "data_dir", "weight"}:
+            raise ValueError(f"data_mixture item {item!r} is not valid: expected name=..., data_dir=..., weight=...")
+        try:
+            weight = float(fields["weight"])
+        except ValueError:
+            weight = -1.0
+        if not weight > 0:
+            raise ValueError(f"data_mixture weight={fields['weight']!r} of {fields['name']!r} is not valid: expected a number > 0")
+        sources.append(Source(fields["name"].strip(), fields["data_dir"].strip(), weight))
+    names = [s.name for s in sources]
+    if len(set(names)) != len(names) or not all(names):
+        raise ValueError(f"data_mixture names {names} are not valid: expected distinct, non-empty names")
+    return sources
+
+
+class Pattern:
+    """One period of the interleave of sources with these weights: which source each slot is, and its count so far."""
+
+    def __init__(self, weights: list[float]):
+        w = np.asarray(weights, dtype=np.float64)
+        quota = w / w.sum() * RESOLUTION
+        ints = np.maximum(np.floor(quota).astype(np.int64), 1)
+        for k in np.argsort(-(quota - np.floor(quota)), kind="stable")[: max(0, RESOLUTION - int(ints.sum()))]:
+            ints[k] += 1  # largest remainders first
+        ints //= np.gcd.reduce(ints) if len(ints) > 1 else ints[0]
+        self.counts, self.period = ints, int(ints.sum())
+        current = np.zeros(len(ints), dtype=np.int64)
+        self.source = np.empty(self.period, dtype=np.int64)
+        self.rank = np.empty(self.period, dtype=np.int64)  # the slot's count within its source, in the period
+        self.before = np.zeros((self.period + 1, len(ints)), dtype=np.int64)  # each source's count before each slot
+        for i in range(self.period):  # smooth weighted round robin: the source furthest behind its share goes next
+            current += ints
+            k = int(np.argmax(current))
+            current[k] -= self.period
+            self.source[i], self.rank[i] = k, self.before[i, k]
+            self.before[i + 1] = self.before[i]
+            self.before[i + 1, k] += 1
+
+    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The source of each position, and that sample's number within its source."""
+        rounds, slot = np.divmod(positions, self.period)
+        source = self.source[slot]
+        return source, rounds * self.counts[source] + self.rank[slot]
+
+    def taken(self, position: int) -> np.ndarray:
+        """Each source's count in positions [0, position)."""
+        rounds, slot = divmod(position, self.period)
+        return rounds * self.counts + self.before[slot]
+
+
+def source_seed(seed: int, name: str) -> list[int]:
+    """A source's order depends on the run's seed and its name (not on its place in the list)."""
+    return [seed, zlib.crc32(name.encode())]
+
+
+class MixtureCursor:
+    """Where the run is in the mixture: its position, and the segment it is in (weights, start, each source's count at
+    the start). Saved in every checkpoint's manifest."""
+
+    def __init__(self, sources: list[Source], sizes: list[int], allow_new_segment: bool = False):
+        self.names, self.sizes = [s.name for s in sources], sizes
+        self.weights = {s.name: s.weight for s in sources}
+        self.allow_new_segment = allow_new_segment
+        self.position, self.start = 0, 0
+        self.base = dict.fromkeys(self.names, 0)
+        self.segments: list[dict] = [{"start": 0, "weights": self.weights}]
+        self.pattern = Pattern([s.weight for s in sources])
+
+    def taken(self, position: int | None = None) -> dict[str, int]:
+        """Each source's samples handed out before `position` (default: the cursor's)."""
+        counts = self.pattern.taken((self.position if position is None else position) - self.start)
+        return {name: self.base[name] + int(c) for name, c in zip(self.names, counts, strict=True)}
+
+    @property
+    def epoch(self) -> int:
+        """The epochs every source has completed (the least repeated one's)."""
+        taken = self.taken()
+        return min(taken[name] // size for name, size in zip(self.names, self.sizes, strict=True))
+
+    def state_dict(self) -> dict:
+        taken = self.taken()
+        sources = {n: {"samples": taken[n], "epoch": taken[n] // s} for n, s in zip(self.names, self.sizes, strict=True)}
+        return {"position": self.position, "start": self.start, "base": self.base, "segments": self.segments, "sources": sources}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "position" not in state:
+            raise DataError("the checkpoint was written by a run on one data_dir, not a data_mixture: resume it with its data_dir")
+        saved = state["segments"][-1]["weights"]
+        self.position = int(state["position"])
+        if saved == self.weights:
+            self.start, self.base, self.segments = int(state["start"]), dict(state["base"]), list(state["segments"])
+            return
+        if not self.allow_new_segment:
+            raise DataError(
+                f"data_mixture {self.weights} differs from the checkpoint's {saved}: set new_mixture_segment: true to go on "
+                f"from its position {self.position} with the new one (recorded), or resume with the checkpoint's mixture"
+            )
+        old = Pattern(list(saved.values()))
+        counts = old.taken(self.position - int(state["start"]))
+        reached = {name: int(state["base"][name]) + int(c) for name, c in zip(saved, counts, strict=True)}
+        self.start, self.base = self.position, {name: reached.get(name, 0) for name in self.names}
+        self.segments = [*state["segments"], {"start": self.position, "weights": self.weights}]
+
+    def __repr__(self) -> str:
+        return f"MixtureCursor(position={self.position}, samples={self.taken()})"
+
+
+class MixtureDataset(torch.utils.data.Dataset):
+    """The sources' training samples as one sample space: source `k`'s sample `i` is global id `offsets[k] + i`."""
+
+    def __init__(self, names: list[str], parts: list[torch.utils.data.Dataset]):
+        self.names, self.parts = names, parts
+        self.offsets = np.concatenate([[0], np.cumsum([len(p) for p in parts])])
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def source_of(self, ids) -> list[str]:
+        return [self.names[k] for k in np.searchsorted(self.offsets, np.asarray(ids), side="right") - 1]
+
+    def __getitems__(self, ids: list[int]):
+        ids = np.asarray(ids, dtype=np.int64)
+        which = np.searchsorted(self.offsets, ids, side="right") - 1
+        pieces, where = [], []
+        for k, part in enumerate(self.parts):
+            sel = np.flatnonzero(which == k)
+            if len(sel):
+                pieces.append(part.__getitems__((ids[sel] - self.offsets[k]).tolist()))
+                where.append(sel)
+        order = torch.from_numpy(np.argsort(np.concatenate(where), kind="stable"))  # back to the order asked for
+        if isinstance(pieces[0], dict):
+            return {key: torch.cat([p[key] for p in pieces]).index_select(0, order) for key in pieces[0]}
+        return torch.cat(pieces).index_select(0, order)
+
+
+class MixtureOrder:
+    """Global sample ids of mixture positions, for the cursor's segment."""
+
+    def __init__(self, dataset: MixtureDataset, cursor: MixtureCursor, shard_sizes: list[list[int]], seed: int, window: int):
+        self.dataset, self.cursor, self.seed, self.window = dataset, cursor, seed, window
+        self.shard_sizes = shard_sizes
+        self._orders: dict[tuple[int, int], EpochOrder] = {}
+
+    def _order(self, k: int, epoch: int) -> EpochOrder:
+        order = self._orders.get((k, epoch))
+        if order is None:
+            order = EpochOrder(self.shard_sizes[k], source_seed(self.seed, self.cursor.names[k]), epoch, self.window)
+            if len(self._orders) >= 2 * len(self.shard_sizes):
+                self._orders.pop(next(iter(self._orders)))
+            self._orders[(k, epoch)] = order
+        return order
+
+    def __getitem__(self, positions: slice) -> np.ndarray:
+        c = self.cursor
+        sources, numbers = c.pattern.locate(np.arange(positions.start - c.start, positions.stop - c.start))
+        ids = np.empty(len(sources), dtype=np.int64)
+        for k, name in enumerate(c.names):
+            sel = np.flatnonzero(sources == k)
+            if len(sel) == 0:
+                continue
+            # a source's samples in a run of positions are consecutive: its next len(sel), maybe across an epoch's end
+            n, size, done = int(numbers[sel[0]]) + c.base[name], c.sizes[k], 0
+            while done < len(sel):
+                epoch, first = divmod(n + done, size)
+                count = min(len(sel) - done, size - first)
+                ids[sel[done : done + count]] = self.dataset.offsets[k] + self._order(k, epoch)[first : first + count]
+                done += count
+        return ids
+
+
+class _MixtureBatches(torch.utils.data.Sampler):
+    """This rank's slice of each global batch of mixture positions, from the cursor's, without end."""
+
+    def __init__(self, order: MixtureOrder, start: int, batch_size: int, rank: int, world_size: int):
+        self.order, self.start, self.batch_size, self.rank = order, start, batch_size, rank
+        self.global_batch = batch_size * world_size
+        self._recent: dict[int, list[int]] = {}
+
+    def __iter__(self) -> Iterator[list[int]]:
+        s, lo = self.start, self.rank * self.batch_size
+        while True:
+            ids = self._recent.pop(s, None)  # the DataLoader's and the loop's iterators each walk it: computed once
+            if ids is None:
+                ids = self._recent[s] = self.order[slice(s + lo, s + lo + self.batch_size)].tolist()
+                if len(self._recent) > 64:  # the DataLoader's prefetch runs this far ahead at most
+                    self._recent.pop(next(iter(self._recent)))
+            yield ids
+            s += self.global_batch
+
+
+class MixtureLoader:
+    """Endless iterator of this rank's batches over a mixture (ResumableLoader's interface)."""
+
+    def __init__(self, dataset: MixtureDataset, cursor: MixtureCursor, shard_sizes, batch_size, seed, rank, world_size, **loader):
+        self.dataset, self.cursor, self.batch_size = dataset, cursor, batch_size
+        self.shard_sizes, self.seed, self.rank, self.world_size = shard_sizes, seed, rank, world_size
+        self.shuffle_window = loader.pop("shuffle_window", 1 << 18)
+        self.loader_args = loader  # num_workers, pin_memory
+        self.last_sample_ids: list[int] = []
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.world_size
+
+    @property
+    def batches_consumed(self) -> int:
+        return self.cursor.position // self.global_batch_size
+
+    def __iter__(self):
+        order = MixtureOrder(self.dataset, self.cursor, self.shard_sizes, self.seed, self.shuffle_window)
+        sampler = _MixtureBatches(order, self.cursor.position, self.batch_size, self.rank, self.world_size)
+        loader = torch.utils.data.DataLoader(
+            self.dataset, batch_sampler=sampler, collate_fn=_collate, generator=torch.Generator(), **self.loader_args
+        )
+        for batch, ids in zip(loader, sampler, strict=False):
+            self.last_sample_ids = ids
+            self.cursor.position += self.global_batch_size
+            yield batch
