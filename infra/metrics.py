@@ -53,9 +53,12 @@ class TrainMetrics:
     throughput and (on GPUs whose peak is known) model FLOPs utilisation. A compiled model's first step in a process
     (where it compiles) is left out of the throughput; the compile time is logged on its own."""
 
-    def __init__(self, accelerator, unit: str, flops_per_unit: float | None, compiled: bool = False):
+    def __init__(self, accelerator, unit: str, flops_per_unit: float | None, compiled: bool = False, sources: list[str] = ()):
         self.accelerator, self.unit, self.flops_per_unit = accelerator, unit, flops_per_unit
         self.compiled, self.compiling = compiled, compiled
+        self.sources = list(sources)  # a data_mixture's: its loss per source, over the window's finite steps
+        self.by_source = torch.zeros(2, len(self.sources), device=accelerator.device)  # loss sums, items
+        self.step_by_source = torch.zeros_like(self.by_source)
         self.peak = peak_bf16_flops(torch.cuda.get_device_name(accelerator.device) if accelerator.device.type == "cuda" else None)
         self.meter = Throughput(unit)
         self.loss_sum, self.loss_count = torch.zeros((), device=accelerator.device), 0
@@ -74,18 +77,33 @@ class TrainMetrics:
         self.loss_sum += loss_sum
         self.loss_count += items
 
+    def add_source_losses(self, sources: torch.Tensor, sums: torch.Tensor, counts: torch.Tensor) -> None:
+        """A micro-batch's per-sample loss sums and items, added to their sources' (kept if the step is)."""
+        self.step_by_source.index_add_(1, sources, torch.stack([sums.float(), counts.float()]))
+
+    def end_step(self, keep: bool) -> None:
+        if keep:
+            self.by_source += self.step_by_source
+        self.step_by_source.zero_()
+
     def reset_loss(self) -> None:
         self.loss_sum.zero_()
         self.loss_count = 0
+        self.by_source.zero_()
 
     def collect(self, learning_rate: float, units_seen: int, epoch: int, grad_norm) -> tuple[dict[str, float], float]:
         """The metrics of the window since the last call, and its mean loss per item over every rank (one reduce of the
         loss across ranks; NaN when every step of the window was skipped: the count is the same on every rank)."""
         acc = self.accelerator
         count = float(self.loss_count)
-        mean_loss = acc.reduce(self.loss_sum, "sum").item() / count if count else math.nan
+        # one reduce of the loss and of every source's loss sums and items
+        reduced = acc.reduce(torch.cat([self.loss_sum.reshape(1).float(), self.by_source.flatten()]), "sum").tolist()
+        mean_loss = reduced[0] / count if count else math.nan
+        k = len(self.sources)
+        sums, items = reduced[1 : 1 + k], reduced[1 + k :]
         logged: dict[str, Any] = {
             **({"train/loss": mean_loss} if count else {}),
+            **{f"train/loss/{name}": s / n for name, s, n in zip(self.sources, sums, items, strict=True) if n},
             "train/learning_rate": learning_rate,
             f"train/{self.unit}_seen": units_seen,
             "train/epoch": epoch,

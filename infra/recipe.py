@@ -173,6 +173,15 @@ def predicted_tokens(labels: torch.Tensor) -> torch.Tensor:
     return (labels[..., 1:] != -100).sum()
 
 
+def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sample's summed token loss and its predicted tokens, as a causal LM's loss counts them (labels shifted by
+    one, -100 ignored, in fp32): for the loss per source of a data_mixture. No gradient."""
+    with torch.no_grad():
+        shifted = labels[:, 1:]
+        losses = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), shifted, ignore_index=-100, reduction="none")
+        return losses.sum(dim=1), (shifted != -100).sum(dim=1).float()
+
+
 def run_recipe(main: Callable[[], None]) -> NoReturn:
     """A recipe's entry point: main() under `run_status`, then the exit that main() chose (0 at the end or after a
     preemption, 75 for a straggler, 1 with a one-line error), without the interpreter's finalization.

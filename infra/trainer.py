@@ -47,7 +47,7 @@ from infra.config import require
 from infra.consensus import StepConsensus
 from infra.data import DataArguments, DataCursor, ResumableLoader, SampleTrace, eval_batches
 from infra.data.errors import DataError
-from infra.data.mixture import MixtureCursor, MixtureLoader
+from infra.data.mixture import MixtureCursor, MixtureDataset, MixtureLoader
 from infra.distributed import LaunchError, ready_for_fsdp
 from infra.environment import environment_facts
 from infra.export import Exporter
@@ -152,6 +152,9 @@ class Job:
     flops_per_unit: float | None = None  # training FLOPs per unit, for perf/mfu on known GPUs
     items: Callable[[Batch], torch.Tensor] | None = None  # what `loss` sums over in a micro-batch (tokens, say); None: samples
     adapter_only: bool = False  # a LoRA model's export: the adapter alone, not merged into the base (infra.lora)
+    # `loss(model, batch, n, per_sample=True)` also returns each sample's summed loss and items: with a data_mixture,
+    # the loss of each source is logged (train/loss/<name>)
+    per_sample_losses: bool = False
 
 
 class TrainState:
@@ -299,7 +302,8 @@ class Trainer:
         self.preemption = Preemption(args.preemption_grace_seconds)
         self.consensus = StepConsensus(acc, self.clock, self.preemption)
         self.guard = NonFiniteGuard(acc, args, self.checkpoints, args.verify_checksums)
-        self.metrics = TrainMetrics(acc, job.unit, job.flops_per_unit, compiled=args.torch_compile)
+        sources = [s.name for s in job.data.mixture.sources] if job.data.mixture and job.per_sample_losses else []
+        self.metrics = TrainMetrics(acc, job.unit, job.flops_per_unit, compiled=args.torch_compile, sources=sources)
         self.exporter = Exporter(acc, args.output_dir, job.name, job.processor, job.task, config, adapter_only=job.adapter_only)
         self.stragglers = StragglerDetector(acc, self.model, args.straggler_window_steps, args.straggler_factor, args.straggler_patience)
         self.heartbeat = Heartbeat(acc, args.ddp_timeout, args.ddp_step_timeout)
@@ -411,15 +415,20 @@ class Trainer:
         ranks' agreement, then the update unless a rank saw a non-finite value."""
         acc, args, state = self.accelerator, self.args, self.state
         micro_batches = [self.fetch() for _ in range(args.gradient_accumulation_steps)]
-        items = self.count_items([batch for batch, _ in micro_batches])
+        items = self.count_items([batch for batch, _, _ in micro_batches])
         # each micro-batch's summed loss over this: DDP, ZeRO and FSDP average the ranks' gradients, and accelerate
         # divides each micro-batch's by the accumulation steps, so the sum of all is divided by `items` exactly once
         num_items_in_batch = items / (acc.num_processes * args.gradient_accumulation_steps)
         step_loss = torch.zeros((), device=acc.device)
-        for batch, position in micro_batches:
+        for batch, position, sources in micro_batches:
             with acc.accumulate(self.model):
                 with self.stragglers.compute():
-                    loss = self.hooks.on_loss(self.job.loss(self.model, batch, num_items_in_batch), position)
+                    if sources is None:
+                        loss = self.job.loss(self.model, batch, num_items_in_batch)
+                    else:  # a data_mixture: each sample's loss, added to its source's
+                        loss, sums, counts = self.job.loss(self.model, batch, num_items_in_batch, per_sample=True)
+                        self.metrics.add_source_losses(sources, sums, counts)
+                    loss = self.hooks.on_loss(loss, position)
                 acc.backward(loss)
             step_loss += loss.detach()
         grad_norm = acc.clip_grad_norm_(self.model.parameters(), args.max_grad_norm) if args.max_grad_norm else None
@@ -430,6 +439,7 @@ class Trainer:
         steps = self.guard.record(agreed.nonfinite, state)
         if not agreed.nonfinite:
             self.metrics.add_loss(step_loss * num_items_in_batch, items)  # this rank's summed item losses; the step's items
+        self.metrics.end_step(keep=not agreed.nonfinite)  # the sources' losses of a skipped step are dropped
         if steps:
             self.optimizer.step()
         self.scheduler.step()
@@ -439,18 +449,22 @@ class Trainer:
         self.metrics.count_step(self.units_per_step)
         return StepResult(step_loss, grad_norm, agreed.nonfinite, agreed.save_due, agreed.signal)
 
-    def fetch(self) -> tuple[Batch, int]:
-        """The next micro-batch on the device, and its number since the run began; the wait is timed, the samples traced."""
+    def fetch(self) -> tuple[Batch, int, torch.Tensor | None]:
+        """The next micro-batch on the device, its number since the run began, and with a data_mixture (whose losses per
+        source the job can give) each sample's source; the wait is timed, the samples traced."""
         waiting = time.perf_counter()
         batch = to_device(next(self.batches), self.accelerator.device)
         waited = time.perf_counter() - waiting
         self.metrics.meter.waited(waited)
         self.stragglers.waited(waited)
+        mixture = isinstance(self.loader, MixtureLoader)
+        ids = self.loader.last_sample_ids
         if self.trace:
-            ids = self.loader.last_sample_ids
-            sources = self.loader.dataset.source_of(ids) if isinstance(self.loader, MixtureLoader) else None
-            self.trace.write(self.state.step + 1, ids, sources)
-        return batch, self.loader.batches_consumed
+            self.trace.write(self.state.step + 1, ids, self.loader.dataset.source_of(ids) if mixture else None)
+        sources = None
+        if mixture and self.job.per_sample_losses:
+            sources = torch.from_numpy(self.loader.dataset.source_index(ids)).to(self.accelerator.device)
+        return batch, self.loader.batches_consumed, sources
 
     def count_items(self, batches: list[Batch]) -> torch.Tensor:
         """The items the loss sums over in these micro-batches, on every rank together: one small all-reduce per step,
@@ -520,16 +534,24 @@ class Trainer:
         """The recipe's eval over the held-out samples, every rank its share; logged and kept for keep_best."""
         acc = self.accelerator
         self.model.eval()
-        ranks = (acc.process_index, acc.num_processes)
-        batches = (to_device(b, acc.device) for b in eval_batches(self.job.data.held_out, self.args.per_device_eval_batch_size, *ranks))
+        held_out = self.job.data.held_out
         with torch.no_grad():
-            scores = self.job.evaluate(acc, self.model, batches)
+            scores = self.job.evaluate(acc, self.model, self.eval_batches(held_out))
+            if isinstance(held_out, MixtureDataset):  # and each source's held-out samples alone: eval/loss/<name>, ...
+                for name, part in zip(held_out.names, held_out.parts, strict=True):
+                    if len(part) >= acc.num_processes:
+                        scores |= {f"{k}/{name}": v for k, v in self.job.evaluate(acc, self.model, self.eval_batches(part)).items()}
         self.model.train()
         self.latest.update(scores)  # kept until the next eval: keep_best may rank checkpoints by an eval/ metric
         self.tracker.log(scores, step=self.state.step)
         if acc.is_main_process:
             self.bar.write(f"step {self.state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
         return scores
+
+    def eval_batches(self, dataset) -> Iterator[Batch]:
+        acc = self.accelerator
+        batches = eval_batches(dataset, self.args.per_device_eval_batch_size, acc.process_index, acc.num_processes)
+        return (to_device(b, acc.device) for b in batches)
 
     def save(self, last: bool = False) -> None:
         """A checkpoint of this step (in the background with async_save, except the last one), and its cost logged."""

@@ -23,7 +23,16 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from infra.config import parse_config, require, resolved
 from infra.data import DataArguments
-from infra.recipe import AttentionArguments, causal_lm_flops, load_pretrained, open_data, predicted_tokens, run_recipe, start
+from infra.recipe import (
+    AttentionArguments,
+    causal_lm_flops,
+    load_pretrained,
+    open_data,
+    predicted_tokens,
+    run_recipe,
+    start,
+    token_losses,
+)
 from infra.trainer import Job, TrainingArguments, check_data_and_training, train
 
 
@@ -94,9 +103,12 @@ def lm_inputs(batch: torch.Tensor, eos_token_id: int | None = None) -> dict[str,
     return {"input_ids": batch, "labels": batch.masked_fill(starts, -100), "position_ids": position_ids, "use_cache": False}
 
 
-def lm_loss(model, batch: torch.Tensor, num_items_in_batch: torch.Tensor | None = None, eos_token_id: int | None = None) -> torch.Tensor:
-    """The token loss of the batch: summed and divided by num_items_in_batch (the Trainer's), or the mean when None."""
-    return model(**lm_inputs(batch, eos_token_id), num_items_in_batch=num_items_in_batch).loss
+def lm_loss(model, batch: torch.Tensor, num_items_in_batch: torch.Tensor | None = None, eos_token_id: int | None = None, per_sample=False):
+    """The token loss of the batch: summed and divided by num_items_in_batch (the Trainer's), or the mean when None.
+    With per_sample (a data_mixture's loss per source): also each sample's summed token loss and token count."""
+    inputs = lm_inputs(batch, eos_token_id)
+    out = model(**inputs, num_items_in_batch=num_items_in_batch)
+    return (out.loss, *token_losses(out.logits, inputs["labels"])) if per_sample else out.loss
 
 
 def lm_tokens(batch: torch.Tensor, eos_token_id: int | None = None) -> torch.Tensor:
@@ -140,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
         units_per_sample=data.dataset.seq_len,
         flops_per_unit=causal_lm_flops(model, data.dataset, tokenizer.eos_token_id),
         items=partial(lm_tokens, eos_token_id=eos),  # the loss is the mean per predicted token
+        per_sample_losses=True,
     )
     train(accelerator, args, data_args, config, job)
 

@@ -25,7 +25,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from infra.config import parse_config, resolved
 from infra.data import DataArguments
 from infra.lora import LoraArguments, with_lora
-from infra.recipe import AttentionArguments, causal_lm_flops, exit_on, load_pretrained, open_data, predicted_tokens, run_recipe, start
+from infra.recipe import (
+    AttentionArguments,
+    causal_lm_flops,
+    exit_on,
+    load_pretrained,
+    open_data,
+    predicted_tokens,
+    run_recipe,
+    start,
+    token_losses,
+)
 from infra.trainer import Job, TrainingArguments, check_data_and_training, train
 
 
@@ -50,11 +60,12 @@ def sft_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | bool]
     return inputs
 
 
-def sft_loss(model, batch: dict[str, torch.Tensor], num_items_in_batch: torch.Tensor | None = None) -> torch.Tensor:
+def sft_loss(model, batch: dict[str, torch.Tensor], num_items_in_batch: torch.Tensor | None = None, per_sample: bool = False):
     """Loss over the response tokens of the micro-batch (labels are -100 elsewhere; the model shifts them): summed and
     divided by num_items_in_batch (the Trainer's: every response token of the optimizer step counts the same), or
-    the mean when None."""
-    return model(**sft_inputs(batch), num_items_in_batch=num_items_in_batch).loss
+    the mean when None. With per_sample (a data_mixture's loss per source): also each sample's sum and token count."""
+    out = model(**sft_inputs(batch), num_items_in_batch=num_items_in_batch)
+    return (out.loss, *token_losses(out.logits, batch["labels"])) if per_sample else out.loss
 
 
 def response_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -101,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         flops_per_unit=causal_lm_flops(model, data.dataset, tokenizer.eos_token_id),
         items=response_tokens,  # the loss is the mean per response token of the whole optimizer step
         adapter_only=model_args.use_peft and model_args.lora_export == "adapter",
+        per_sample_losses=True,
     )
     train(accelerator, args, data_args, config, job)
 

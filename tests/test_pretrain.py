@@ -502,3 +502,53 @@ def test_a_mixture_continues_its_order_on_another_world_size(before, after, tiny
     both = mixture_sequence(changed, before, through=STEPS) + mixture_sequence(changed, after, after=STEPS)
     assert len(both) == STEPS * MICRO_BATCH * ACCUMULATION * (before + after)
     assert both == mixture_sequence(straight, 1)[: len(both)]
+
+
+def test_the_loss_per_source_is_that_of_its_samples(tiny_data, small_data, tmp_path):
+    """One step, one process, fp32, no dropout: train/loss/<name> equals the token loss of that source's samples in the
+    trace, recomputed from the initial weights; train/loss is the token-weighted mean of the sources'; eval/loss/<name>
+    is the exported model's loss on that source's held-out samples."""
+    import mlflow
+    from transformers import AutoTokenizer
+
+    from infra.recipe import token_losses
+    from recipes.pretrain_clm import ModelArguments, build_model
+
+    out = tmp_path / "out"
+    extra = ("--max_steps", "1", "--logging_steps", "1", "--mixed_precision", "no", "--attention_dropout", "0.0")
+    args = mixture_args(tiny_data, small_data, out, 1, (0.5, 0.5), *extra)
+    args[args.index("--report_to") + 1] = "mlflow"
+    args[args.index("--eval_samples") + 1] = "8"  # held out of each source
+    assert launch("cpu.yaml", args, tmp_path, num_processes=1).returncode == 0
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("pretrain_clm").experiment_id])
+    logged = run.data.metrics
+
+    from accelerate.utils import set_seed
+
+    set_seed(SEED)  # what the recipe's start() does before it builds the model
+    dataset = PackedDataset(small_data)
+    model = build_model(ModelArguments(hidden_size=64, intermediate_size=128), AutoTokenizer.from_pretrained(dataset.tokenizer_dir), 64)
+    sources = {"big": PackedDataset(tiny_data), "small": dataset}
+    offsets = {"big": 0, "small": len(sources["big"]) - 8}  # each source's last 8 samples are held out
+    totals = {name: [0.0, 0.0] for name in sources}
+    with torch.no_grad():
+        for line in trace(out, 0):
+            for i, name in zip(line["ids"], line["sources"], strict=True):
+                ids = sources[name][i - offsets[name]].unsqueeze(0)
+                loss, tokens = token_losses(model(input_ids=ids).logits, ids)
+                totals[name][0] += float(loss)
+                totals[name][1] += float(tokens)
+    for name, (loss, tokens) in totals.items():
+        assert logged[f"train/loss/{name}"] == pytest.approx(loss / tokens, rel=1e-5)
+    all_loss = sum(t[0] for t in totals.values()) / sum(t[1] for t in totals.values())
+    assert logged["train/loss"] == pytest.approx(all_loss, rel=1e-5)
+    assert logged["train/samples/big"] + logged["train/samples/small"] == MICRO_BATCH * ACCUMULATION
+    from transformers import AutoModelForCausalLM
+
+    final = AutoModelForCausalLM.from_pretrained(out / "final")
+    for name, data in sources.items():
+        held = torch.stack([data[i] for i in range(len(data) - 8, len(data))])
+        with torch.no_grad():
+            loss, tokens = token_losses(final(input_ids=held).logits, held)
+        assert logged[f"eval/loss/{name}"] == pytest.approx(float(loss.sum() / tokens.sum()), rel=1e-5)

@@ -166,8 +166,12 @@ class MixtureDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
+    def source_index(self, ids) -> np.ndarray:
+        """The source (its number) of each global sample id."""
+        return np.searchsorted(self.offsets, np.asarray(ids), side="right") - 1
+
     def source_of(self, ids) -> list[str]:
-        return [self.names[k] for k in np.searchsorted(self.offsets, np.asarray(ids), side="right") - 1]
+        return [self.names[k] for k in self.source_index(ids)]
 
     def __getitems__(self, ids: list[int]):
         ids = np.asarray(ids, dtype=np.int64)
