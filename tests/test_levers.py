@@ -195,18 +195,21 @@ def test_fsdp_activation_checkpointing_leaves_training_as_it_was(small_data, tmp
     from infra.distributed import FSDP_ON_CPU_ENV
     from tests.conftest import launch
 
-    def run(name: str, *extra: str, env: dict | None = None):
+    def run(name: str, *extra: str, config: str = "fsdp.yaml"):
         args = ["--config", str(REPO / "recipes" / "configs" / "pretrain_clm.yaml"), "--data_dir", str(small_data)]
         args += ["--output_dir", str(tmp_path / name), "--max_steps", "4", "--mixed_precision", "no", "--eval_samples", "0"]
         args += ["--report_to", "none", "--hidden_size", "64", "--intermediate_size", "128", *extra]
-        return launch("fsdp.yaml", args, tmp_path, env={FSDP_ON_CPU_ENV: "1", **(env or {})})
+        return launch(config, args, tmp_path, env={FSDP_ON_CPU_ENV: "1"})
 
     assert run("off").returncode == 0
     on = run("on", "--gradient_checkpointing", "true")
     assert on.returncode == 0
     a, b = load_file(tmp_path / "off" / "final" / "model.safetensors"), load_file(tmp_path / "on" / "final" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7) for k in a)
-    refused = run("refused", env={"FSDP_ACTIVATION_CHECKPOINTING": "true"})
+    launcher = tmp_path / "fsdp_ac.yaml"  # a user's launcher config that turns FSDP's checkpointing on by itself
+    ours = (REPO / "accelerate_configs" / "fsdp.yaml").read_text()
+    launcher.write_text(ours.replace("fsdp_config:\n", "fsdp_config:\n  fsdp_activation_checkpointing: true\n"))
+    refused = run("refused", config=str(launcher))
     assert refused.returncode != 0
     assert "launch error: the launcher config sets fsdp_activation_checkpointing: true" in refused.stderr
     assert not (tmp_path / "refused").exists()
