@@ -61,7 +61,7 @@ doctor: setup data  ## preflight of the train job without training: devices, a c
 	$(BIN)/accelerate launch --config_file $(ACCEL_CONFIG) recipes/$(RECIPE).py --config $(RUN_CONFIG) --preflight_only true $(ARGS)
 
 test: setup  ## run the test suite (multi-process tests included, slow ones not)
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m "not slow" --durations=25
 
 test-all: setup  ## run every test, slow ones too
 	$(BIN)/python -m pytest
