@@ -98,29 +98,22 @@ def test_the_order_is_the_same_with_dataloader_workers():
     assert ranks_order(sizes, weights, 2, 10, 3, workers=2) == ranks_order(sizes, weights, 2, 10, 3, workers=0)
 
 
-def test_a_resumed_cursor_continues_the_order_exactly_and_in_constant_time():
-    import time
-
+def test_a_resumed_cursor_continues_the_order_exactly():
+    """A cursor restored from state_dict gives the batches the uninterrupted loader gave next. (The seek's cost, flat
+    at any position, is measured in benchmarks/data_pipeline.py, not timed here.)"""
     sizes, weights = [23, 5, 40], [0.5, 0.2, 0.3]
     sources, dataset, shards = mixture(sizes, weights)
     straight = MixtureLoader(dataset, MixtureCursor(sources, sizes), shards, 4, 3, 0, 1, shuffle_window=4)
     batches = iter(straight)
-    first = [next(batches).tolist() for _ in range(30)]
+    for _ in range(30):
+        next(batches)
     state = straight.cursor.state_dict()
     rest = [next(batches).tolist() for _ in range(30)]
     assert state["sources"]["s1"]["epoch"] >= 3  # the small source went round several times
     cursor = MixtureCursor(sources, sizes)
     cursor.load_state_dict(state)
     resumed = iter(MixtureLoader(dataset, cursor, shards, 4, 3, 0, 1, shuffle_window=4))
-    assert [next(resumed).tolist() for _ in range(30)] == rest and first
-    seek = []
-    for position in (0, 10_000_000):
-        cursor = MixtureCursor(sources, sizes)
-        cursor.load_state_dict({**state, "position": position})
-        start = time.perf_counter()
-        next(iter(MixtureLoader(dataset, cursor, shards, 4, 3, 0, 1, shuffle_window=4)))
-        seek.append(time.perf_counter() - start)
-    assert seek[1] < 0.1
+    assert [next(resumed).tolist() for _ in range(30)] == rest
 
 
 def test_a_changed_mixture_is_refused_unless_a_new_segment_is_asked_for():
