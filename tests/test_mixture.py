@@ -23,8 +23,15 @@ class Ids(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.n
 
-    def __getitems__(self, ids):
-        return torch.as_tensor(ids, dtype=torch.int64) + self.base
+    def new_batch(self, n: int) -> dict[str, np.ndarray]:
+        return {"input_ids": np.empty(n, dtype=np.int64)}
+
+    def read_into(self, ids, batch, rows) -> None:
+        assert ((ids >= 0) & (ids < self.n)).all()
+        batch["input_ids"][rows] = ids + self.base
+
+    def as_batch(self, batch) -> torch.Tensor:
+        return torch.from_numpy(batch["input_ids"])
 
 
 def mixture(sizes: list[int], weights: list[float], shard: int = 7):
@@ -84,18 +91,17 @@ def ranks_order(sizes, weights, world_size: int, steps: int, batch: int, workers
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)
-@given(world_size=st.integers(min_value=1, max_value=4), batch=st.integers(min_value=1, max_value=4))
-def test_the_order_is_the_same_whatever_the_world_size(world_size, batch):
+@given(
+    world_size=st.integers(min_value=1, max_value=4),
+    batch=st.integers(min_value=1, max_value=4),
+    workers=st.integers(min_value=0, max_value=3),
+)
+def test_the_order_is_the_same_whatever_the_world_size_and_workers(world_size, batch, workers):
     sizes, weights = [23, 5, 40], [0.5, 0.2, 0.3]
     total = 12 * 2  # positions: a multiple of every global batch below
     reference = global_order(sizes, weights, 24 * 12 * 4, seed=3, window=4)
-    got = ranks_order(sizes, weights, world_size, total * 4 // (world_size * batch), batch)
+    got = ranks_order(sizes, weights, world_size, total * 4 // (world_size * batch), batch, workers)
     assert got == reference[: len(got)].tolist()
-
-
-def test_the_order_is_the_same_with_dataloader_workers():
-    sizes, weights = [23, 5, 40], [0.5, 0.2, 0.3]
-    assert ranks_order(sizes, weights, 2, 10, 3, workers=2) == ranks_order(sizes, weights, 2, 10, 3, workers=0)
 
 
 def test_a_resumed_cursor_continues_the_order_exactly():
@@ -148,3 +154,43 @@ def test_a_yaml_mixture_is_a_list_of_sources(tmp_path):
     config.write_text("\n".join(lines) + "\n")
     (data_args,) = parse_config((DataArguments,), ["--config", str(config)])
     assert parse_sources(data_args.data_mixture) == [Source("code", "data/code", 0.7), Source("docs", "data/docs", 0.3)]
+
+
+def test_samples_or_epochs_per_global_epoch_are_held_exactly():
+    """epochs [1, 2, 0.5] of sources of 23, 5 and 40 samples: every global epoch (23 + 10 + 20 = 53 positions) holds
+    all of the first source once, the second twice and half of the third, each a fresh part of its own epochs; the
+    same counts given as samples give the same order."""
+    from infra.data.mixture import parse_sources
+
+    sizes = [23, 5, 40]
+    by_epochs = parse_sources([f"name=s{k},data_dir=d{k},epochs={e}" for k, e in enumerate([1, 2, 0.5])])
+    by_samples = parse_sources([f"name=s{k},data_dir=d{k},samples={n}" for k, n in enumerate([23, 10, 20])])
+    _, dataset, shards = mixture(sizes, [1, 1, 1])
+    orders = [MixtureOrder(dataset, MixtureCursor(sources, sizes), shards, 0, 5)[0 : 4 * 53] for sources in (by_epochs, by_samples)]
+    assert np.array_equal(*orders)
+    source = dataset.source_index(orders[0])
+    for g in range(4):
+        epoch = slice(g * 53, (g + 1) * 53)
+        assert np.bincount(source[epoch], minlength=3).tolist() == [23, 10, 20]
+        assert sorted(orders[0][epoch][source[epoch] == 0]) == list(range(23))
+        second = orders[0][epoch][source[epoch] == 1] - 23
+        assert sorted(second[:5]) == sorted(second[5:]) == list(range(5))
+    third = np.concatenate([orders[0][g * 53 : (g + 1) * 53][source[g * 53 : (g + 1) * 53] == 2] for g in range(2)]) - 28
+    assert sorted(third) == list(range(40))
+
+
+@pytest.mark.parametrize(
+    ("items", "message"),
+    [
+        (["name=a,data_dir=d,weight=1,samples=3"], "one of weight=..., samples=..., epochs=..."),
+        (["name=a,data_dir=d"], "one of weight=..., samples=..., epochs=..."),
+        (["name=a,data_dir=d,samples=2.5"], "samples='2.5' of 'a' is not valid: expected an integer > 0"),
+        (["name=a,data_dir=d,epochs=0"], "epochs='0' of 'a' is not valid: expected a number > 0"),
+        (["name=a,data_dir=d,weight=1", "name=b,data_dir=e,epochs=2"], r"\['a'\] give a weight and \['b'\] samples or epochs"),
+    ],
+)
+def test_a_bad_mixture_item_is_refused_naming_it(items, message):
+    from infra.data.mixture import parse_sources
+
+    with pytest.raises(ValueError, match=message):
+        parse_sources(items)

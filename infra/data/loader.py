@@ -47,7 +47,7 @@ class DataArguments:
         default=None,
         metadata={
             "help": "Several prepared datasets at set proportions, instead of data_dir: items name=...,data_dir=...,weight=... "
-            "(in YAML a list of {name, data_dir, weight}); see infra.data.mixture."
+            "(or samples=... or epochs=... per global epoch; in YAML a list of {name, data_dir, weight}); see infra.data.mixture."
         },
     )
     new_mixture_segment: bool = field(

@@ -5,22 +5,14 @@
       - {name: docs, data_dir: data/docs, weight: 0.3}
     --data_mixture name=code,data_dir=data/code,weight=0.7 name=docs,data_dir=data/docs,weight=0.3
 
+Instead of weights, every source may give `samples: N` or `epochs: E` per global epoch (a proportion of N, or of E x
+its size). When these whole numbers, divided by their greatest common divisor, add up to at most 10,000, every global
+epoch holds exactly those counts; otherwise they are proportions, like weights.
+
 Order: position `p` of the mixture (0, 1, 2, ... without end) belongs to the source `pattern[p mod S]`. The pattern is
 one period of a smooth weighted round robin over the weights as integers `W_k` (their sum `S`, at most 10,000), so in
 every prefix of the mixture each source's count is within two samples of `p x weight` (plus `p / 10,000` from the
-rounding; tested for random mixtures, where it stayed within 1.2).
-A source's `n`-th sample is position `n mod len` of its own epoch `n // len`, in `EpochOrder(seed, source, epoch)`:
-shards shuffled, then windows of samples, as for one source. So a small source starts its next epoch while a large
-one goes on with its first, and within each source the reads stay near-sequential.
-
-Position: one number, the mixture position; each source's count (and epoch) follows from it and the weights. Seeking
-costs a division and two window shuffles per source, wherever the position is. Nothing depends on the world size or
-the DataLoader workers: global batch `g` is positions `[g x G, (g + 1) x G)`, rank `r` takes its slice.
-
-Segments: resuming with other weights or sources is refused, unless `new_mixture_segment: true`. Then a new segment
-starts at the checkpoint's position: each source continues from the count it had reached (a new source from 0), at
-the new weights. The segments are kept in the cursor, so in every checkpoint's manifest, and logged to MLflow.
-"""
+rounding; tested for random mixtures, where it stayed within 1.2)."""
 
 from __future__ import annotations
 
@@ -33,36 +25,62 @@ import torch
 
 from infra.data.errors import DataError
 from infra.data.loader import EpochOrder, _collate
+from infra.data.shards import SampleRange
 
 RESOLUTION = 10_000  # the weights as integers summing to at most this (one period of the order)
+
+
+AMOUNTS = ("weight", "samples", "epochs")  # how much of a source: a proportion, or samples / epochs per global epoch
 
 
 @dataclass(frozen=True)
 class Source:
     name: str
     data_dir: str
-    weight: float
+    weight: float | None = None  # a proportion of the samples (need not sum to 1)
+    samples: int | None = None  # or: this many samples per global epoch
+    epochs: float | None = None  # or: this many passes over the source per global epoch
 
 
 def parse_sources(items: list[str]) -> list[Source]:
     """`name=code,data_dir=data/code,weight=0.7` items (a YAML mapping becomes one such item) -> Sources; raises
-    ValueError naming what is wrong."""
+    ValueError naming what is wrong. Instead of `weight`, a source may give `samples` or `epochs` per global epoch;
+    either every source gives a weight, or every source gives samples or epochs."""
     sources = []
     for item in items:
         fields = dict(part.split("=", 1) for part in str(item).split(",") if "=" in part)
-        if set(fields) != {"name", "data_dir", "weight"}:
-            raise ValueError(f"data_mixture item {item!r} is not valid: expected name=..., data_dir=..., weight=...")
+        amounts = [a for a in AMOUNTS if a in fields]
+        if len(amounts) != 1 or set(fields) != {"name", "data_dir", *amounts}:
+            raise ValueError(
+                f"data_mixture item {item!r} is not valid: expected name=..., data_dir=... and one of weight=..., samples=..., epochs=..."
+            )
+        amount, text = amounts[0], fields[amounts[0]]
         try:
-            weight = float(fields["weight"])
+            value = int(text) if amount == "samples" else float(text)
         except ValueError:
-            weight = -1.0
-        if not weight > 0:
-            raise ValueError(f"data_mixture weight={fields['weight']!r} of {fields['name']!r} is not valid: expected a number > 0")
-        sources.append(Source(fields["name"].strip(), fields["data_dir"].strip(), weight))
+            value = -1
+        if not value > 0:
+            kind = "an integer" if amount == "samples" else "a number"
+            raise ValueError(f"data_mixture {amount}={text!r} of {fields['name']!r} is not valid: expected {kind} > 0")
+        sources.append(Source(fields["name"].strip(), fields["data_dir"].strip(), **{amount: value}))
     names = [s.name for s in sources]
     if len(set(names)) != len(names) or not all(names):
         raise ValueError(f"data_mixture names {names} are not valid: expected distinct, non-empty names")
+    if len({s.weight is None for s in sources}) > 1:
+        raise ValueError(
+            f"data_mixture {[s.name for s in sources if s.weight is not None]} give a weight and "
+            f"{[s.name for s in sources if s.weight is None]} samples or epochs: expected every source to give a weight, "
+            "or every source samples or epochs"
+        )
     return sources
+
+
+def shares(sources: list[Source], sizes: list[int]) -> dict[str, float]:
+    """Each source's share of the mixture: its weight, or its samples per global epoch (`epochs` x its size)."""
+    out = {}
+    for s, size in zip(sources, sizes, strict=True):
+        out[s.name] = s.weight if s.weight is not None else s.samples if s.samples is not None else s.epochs * size
+    return out
 
 
 class Pattern:
@@ -70,11 +88,15 @@ class Pattern:
 
     def __init__(self, weights: list[float]):
         w = np.asarray(weights, dtype=np.float64)
-        quota = w / w.sum() * RESOLUTION
-        ints = np.maximum(np.floor(quota).astype(np.int64), 1)
-        for k in np.argsort(-(quota - np.floor(quota)), kind="stable")[: max(0, RESOLUTION - int(ints.sum()))]:
-            ints[k] += 1  # largest remainders first
-        ints //= np.gcd.reduce(ints) if len(ints) > 1 else ints[0]
+        whole = (w == np.round(w)).all() and w.sum() < 2**53
+        if whole and w.sum() / np.gcd.reduce(w.astype(np.int64)) <= RESOLUTION:
+            ints = w.astype(np.int64)  # whole numbers (samples per global epoch, say): kept exactly
+        else:
+            quota = w / w.sum() * RESOLUTION
+            ints = np.maximum(np.floor(quota).astype(np.int64), 1)
+            for k in np.argsort(-(quota - np.floor(quota)), kind="stable")[: max(0, RESOLUTION - int(ints.sum()))]:
+                ints[k] += 1  # largest remainders first
+        ints //= np.gcd.reduce(ints)
         self.counts, self.period = ints, int(ints.sum())
         current = np.zeros(len(ints), dtype=np.int64)
         self.source = np.empty(self.period, dtype=np.int64)
@@ -111,12 +133,12 @@ class MixtureCursor:
 
     def __init__(self, sources: list[Source], sizes: list[int], allow_new_segment: bool = False):
         self.names, self.sizes = [s.name for s in sources], sizes
-        self.weights = {s.name: s.weight for s in sources}
+        self.weights = shares(sources, sizes)
         self.allow_new_segment = allow_new_segment
         self.position, self.start = 0, 0
         self.base = dict.fromkeys(self.names, 0)
         self.segments: list[dict] = [{"start": 0, "weights": self.weights}]
-        self.pattern = Pattern([s.weight for s in sources])
+        self.pattern = Pattern(list(self.weights.values()))
 
     def taken(self, position: int | None = None) -> dict[str, int]:
         """Each source's samples handed out before `position` (default: the cursor's)."""
@@ -158,9 +180,10 @@ class MixtureCursor:
 
 
 class MixtureDataset(torch.utils.data.Dataset):
-    """The sources' training samples as one sample space: source `k`'s sample `i` is global id `offsets[k] + i`."""
+    """The sources' training samples as one sample space: source `k`'s sample `i` is global id `offsets[k] + i`. The
+    parts read into a shared batch (`new_batch`, `read_into`, `as_batch`: PackedDataset and SampleRange do)."""
 
-    def __init__(self, names: list[str], parts: list[torch.utils.data.Dataset]):
+    def __init__(self, names: list[str], parts: list[SampleRange]):
         self.names, self.parts = names, parts
         self.offsets = np.concatenate([[0], np.cumsum([len(p) for p in parts])])
 
@@ -175,18 +198,26 @@ class MixtureDataset(torch.utils.data.Dataset):
         return [self.names[k] for k in self.source_index(ids)]
 
     def __getitems__(self, ids: list[int]):
+        """One batch, each source's rows read into it in place (the sources are alike: see PackedDataset.read_into)."""
         ids = np.asarray(ids, dtype=np.int64)
-        which = np.searchsorted(self.offsets, ids, side="right") - 1
-        pieces, where = [], []
-        for k, part in enumerate(self.parts):
-            sel = np.flatnonzero(which == k)
-            if len(sel):
-                pieces.append(part.__getitems__((ids[sel] - self.offsets[k]).tolist()))
-                where.append(sel)
-        order = torch.from_numpy(np.argsort(np.concatenate(where), kind="stable"))  # back to the order asked for
-        if isinstance(pieces[0], dict):
-            return {key: torch.cat([p[key] for p in pieces]).index_select(0, order) for key in pieces[0]}
-        return torch.cat(pieces).index_select(0, order)
+        which = self.source_index(ids)
+        if len(ids) and not (which.min() >= 0 and which.max() < len(self.parts)):
+            raise IndexError(f"sample ids {ids.min()}..{ids.max()} outside [0, {len(self)})")
+        batch = self.parts[0].new_batch(len(ids))
+        for k, rows in grouped(which, len(self.parts)):
+            self.parts[k].read_into(ids[rows] - self.offsets[k], batch, rows.tolist())
+        return self.parts[0].as_batch(batch)
+
+
+def grouped(which: np.ndarray, n: int) -> Iterator[tuple[int, np.ndarray]]:
+    """(k, the indices i where which[i] == k, ascending) for each k in [0, n) that occurs."""
+    order = np.argsort(which, kind="stable")
+    ends = np.cumsum(np.bincount(which, minlength=n)).tolist()
+    lo = 0
+    for k, hi in enumerate(ends):
+        if hi > lo:
+            yield k, order[lo:hi]
+        lo = hi
 
 
 class MixtureOrder:
@@ -210,12 +241,9 @@ class MixtureOrder:
         c = self.cursor
         sources, numbers = c.pattern.locate(np.arange(positions.start - c.start, positions.stop - c.start))
         ids = np.empty(len(sources), dtype=np.int64)
-        for k, name in enumerate(c.names):
-            sel = np.flatnonzero(sources == k)
-            if len(sel) == 0:
-                continue
+        for k, sel in grouped(sources, len(c.names)):
             # a source's samples in a run of positions are consecutive: its next len(sel), maybe across an epoch's end
-            n, size, done = int(numbers[sel[0]]) + c.base[name], c.sizes[k], 0
+            n, size, done = int(numbers[sel[0]]) + c.base[c.names[k]], c.sizes[k], 0
             while done < len(sel):
                 epoch, first = divmod(n + done, size)
                 count = min(len(sel) - done, size - first)
