@@ -182,6 +182,13 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tens
         return losses.sum(dim=1), (shifted != -100).sum(dim=1).float()
 
 
+def class_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sample's cross-entropy (in fp32) and a count of one, as a classifier's loss counts them: for the loss per
+    source of a data_mixture. No gradient."""
+    with torch.no_grad():
+        return torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none"), torch.ones_like(labels, dtype=torch.float)
+
+
 def run_recipe(main: Callable[[], None]) -> NoReturn:
     """A recipe's entry point: main() under `run_status`, then the exit that main() chose (0 at the end or after a
     preemption, 75 for a straggler, 1 with a one-line error), without the interpreter's finalization.

@@ -26,7 +26,7 @@ from infra.data import DataArguments
 from infra.data.tasks import minilm_dir
 from infra.lora import LoraArguments, with_lora
 from infra.metrics import evaluate_classifier
-from infra.recipe import AttentionArguments, exit_on, load_pretrained, open_data, run_recipe, start
+from infra.recipe import AttentionArguments, class_losses, exit_on, load_pretrained, open_data, run_recipe, start
 from infra.trainer import Job, TrainingArguments, check_data_and_training, train
 
 
@@ -47,9 +47,12 @@ def forward(model, batch: dict[str, torch.Tensor], pad_id: int):
     return model(input_ids=batch["input_ids"], attention_mask=(batch["input_ids"] != pad_id).long(), labels=batch["labels"])
 
 
-def text_loss(model, batch: dict[str, torch.Tensor], num_items_in_batch: torch.Tensor, pad_id: int) -> torch.Tensor:
-    """Cross-entropy summed over the texts, divided by num_items_in_batch (the Trainer's; the items are samples)."""
-    return forward(model, batch, pad_id).loss * len(batch["labels"]) / num_items_in_batch
+def text_loss(model, batch: dict[str, torch.Tensor], num_items_in_batch: torch.Tensor, pad_id: int, per_sample: bool = False):
+    """Cross-entropy summed over the texts, divided by num_items_in_batch (the Trainer's; the items are samples). With
+    per_sample (a data_mixture's loss per source): also each text's loss and a count of one."""
+    out = forward(model, batch, pad_id)
+    loss = out.loss * len(batch["labels"]) / num_items_in_batch
+    return (loss, *class_losses(out.logits, batch["labels"])) if per_sample else loss
 
 
 def text_eval(accelerator, model, batches, pad_id: int) -> dict[str, float]:
@@ -98,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         task="text-classification",
         unit="tokens",
         units_per_sample=data.dataset.seq_len,
+        per_sample_losses=True,
         adapter_only=model_args.use_peft and model_args.lora_export == "adapter",
     )
     train(accelerator, args, data_args, config, job)

@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForImageClassification, ViTImagePr
 from infra.config import parse_config, require, resolved
 from infra.data import DataArguments
 from infra.metrics import evaluate_classifier
-from infra.recipe import AttentionArguments, load_pretrained, open_data, run_recipe, start
+from infra.recipe import AttentionArguments, class_losses, load_pretrained, open_data, run_recipe, start
 from infra.trainer import Job, TrainingArguments, check_data_and_training, train
 
 
@@ -125,9 +125,12 @@ def pixels(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return ((batch["pixel_values"].float() / 255 - 0.5) / 0.5).to(dtype)
 
 
-def image_loss(model, batch: dict[str, torch.Tensor], num_items_in_batch: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy summed over the images, divided by num_items_in_batch (the Trainer's; the items are samples)."""
-    return model(pixel_values=pixels(model, batch), labels=batch["labels"]).loss * len(batch["labels"]) / num_items_in_batch
+def image_loss(model, batch: dict[str, torch.Tensor], num_items_in_batch: torch.Tensor, per_sample: bool = False):
+    """Cross-entropy summed over the images, divided by num_items_in_batch (the Trainer's; the items are samples). With
+    per_sample (a data_mixture's loss per source): also each image's loss and a count of one."""
+    out = model(pixel_values=pixels(model, batch), labels=batch["labels"])
+    loss = out.loss * len(batch["labels"]) / num_items_in_batch
+    return (loss, *class_losses(out.logits, batch["labels"])) if per_sample else loss
 
 
 def image_eval(accelerator, model, batches) -> dict[str, float]:
@@ -156,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
         processor=processor_for(image_size, num_channels),
         task="image-classification",
         unit="images",
+        per_sample_losses=True,
     )
     train(accelerator, args, data_args, config, job)
 

@@ -507,7 +507,7 @@ def test_a_mixture_continues_its_order_on_another_world_size(before, after, tiny
 def test_the_loss_per_source_is_that_of_its_samples(tiny_data, small_data, tmp_path):
     """One step, one process, fp32, no dropout: train/loss/<name> equals the token loss of that source's samples in the
     trace, recomputed from the initial weights; train/loss is the token-weighted mean of the sources'; eval/loss/<name>
-    is the exported model's loss on that source's held-out samples."""
+    is the exported model's loss on that source's held-out samples; the MLflow run is tagged with the segment."""
     import mlflow
     from transformers import AutoTokenizer
 
@@ -523,6 +523,7 @@ def test_the_loss_per_source_is_that_of_its_samples(tiny_data, small_data, tmp_p
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("pretrain_clm").experiment_id])
     logged = run.data.metrics
+    assert json.loads(run.data.tags["data_mixture_segments"]) == [{"start": 0, "weights": {"big": 0.5, "small": 0.5}}]
 
     from accelerate.utils import set_seed
 

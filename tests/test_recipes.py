@@ -488,6 +488,36 @@ def test_recipe_trains_evaluates_and_resumes_exactly(recipe, request, tmp_path):
         assert model.config.id2label[3] == "3"
 
 
+@pytest.mark.parametrize("recipe", ["finetune_classification", "image_classification"])
+def test_a_classifier_s_loss_per_sample_is_each_sample_s_alone(recipe, request):
+    """What a data_mixture's train/loss/<name> adds up: each sample's loss equals its loss in a batch of its own, and
+    they sum to the batch's loss."""
+    from functools import partial
+
+    from transformers import AutoModelForSequenceClassification
+
+    from recipes import finetune_classification, image_classification
+
+    data, extra = request.getfixturevalue(f"{recipe}_inputs")
+    dataset = PackedDataset(data)
+    torch.manual_seed(0)
+    if recipe == "image_classification":
+        args = image_classification.ModelArguments(hidden_size=32)
+        model, loss = image_classification.build_model(args, 8, 1, dataset.index.labels), image_classification.image_loss
+    else:
+        encoder = extra[extra.index("--model_name_or_path") + 1]
+        model = AutoModelForSequenceClassification.from_pretrained(encoder, num_labels=len(dataset.index.labels))
+        loss = partial(finetune_classification.text_loss, pad_id=0)
+    model.eval()
+    batch = dataset.__getitems__([0, 1, 2, 3])
+    with torch.no_grad():
+        total, sums, counts = loss(model, batch, torch.tensor(4.0), per_sample=True)
+        alone = [loss(model, {k: v[i : i + 1] for k, v in batch.items()}, torch.tensor(1.0)) for i in range(4)]
+    assert counts.tolist() == [1.0] * 4
+    assert torch.allclose(sums, torch.stack(alone), rtol=1e-5)
+    assert torch.allclose(sums.sum() / 4, total, rtol=1e-5)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("recipe", "accelerate_config"),
