@@ -46,7 +46,7 @@ def build_accelerator(
         raise LaunchError(str(err)) from None
     on_cpu = not torch.cuda.is_available()
     asked_fsdp_on_cpu = requested_engine() == DistributedType.FSDP and os.environ.get(FSDP_ON_CPU_ENV) == "1"
-    fsdp_on_cpu = on_cpu and launched_world_size() > 1 and asked_fsdp_on_cpu
+    fsdp_on_cpu = on_cpu and asked_fsdp_on_cpu  # one process too (FSDP needs its group of one, as on one GPU)
     if on_cpu and launched_world_size() > 1 and (requested_engine() is None or fsdp_on_cpu):
         # accelerate's multi-GPU launcher does not pass ACCELERATE_USE_CPU to its workers; without
         # it each CPU process believes it is alone and every rank would train and write as rank 0.
@@ -57,7 +57,7 @@ def build_accelerator(
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
 
     timeout = timedelta(seconds=args.ddp_timeout)
-    gloo = on_cpu and launched_world_size() > 1  # DeepSpeed on CPU needs it; a single process needs no group
+    gloo = on_cpu and (launched_world_size() > 1 or fsdp_on_cpu)  # DeepSpeed on CPU needs it; one process no group
     if gloo:
         # connect gloo pairs on first use: a group restarted by torch elastic (--max_restarts) otherwise often hangs
         # forming its full mesh (14 of 19 restarts ran without it; with lazy init, see tests/test_pretrain.py)

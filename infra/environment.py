@@ -50,6 +50,12 @@ def environment_report() -> str:
     return "\n".join(lines) + "\n"
 
 
+def zero_stage(accelerator) -> int | None:
+    """The ZeRO stage of a DeepSpeed run, else None."""
+    plugin = accelerator.state.deepspeed_plugin
+    return plugin.zero_stage if plugin is not None else None
+
+
 def environment_facts(accelerator) -> dict:
     """What a checkpoint records about the job that wrote it (an Accelerator's world, engine and precision)."""
     commit, dirty = git_state()
@@ -57,6 +63,7 @@ def environment_facts(accelerator) -> dict:
         "world_size": accelerator.num_processes,
         "distributed_type": accelerator.distributed_type.value,
         "mixed_precision": accelerator.mixed_precision,
+        "zero_stage": zero_stage(accelerator),
         "versions": package_versions(),
         "git_commit": commit,
         "git_dirty": dirty,

@@ -11,6 +11,8 @@ The launch tests start real recipes, so the faults travel in the environment:
   save midway.
 - `INFRA_TEST_DUMP_GRADS`: a folder where rank 0 writes `step1.pt` before the first optimizer step: the gradient
   norm, and the whole gradients (DDP, one process; FSDP2's gathered; none under DeepSpeed, which has stepped already).
+  Rank 0 also writes `{saved,resumed}_{step}_ws{world size}.pt` there after each save and resume: the whole Adam
+  moments of every parameter (gathered from ZeRO's or FSDP's shards).
 
 Production runs get `Hooks()`, whose methods do nothing.
 """
@@ -75,6 +77,58 @@ class Faults(Hooks):
         if self.rank == 0:
             norm = None if grad_norm is None else float(grad_norm)
             torch.save({"grad_norm": norm, "grads": grads}, Path(self.grads_dir) / "step1.pt")
+
+    def on_state(self, event: str, step: int, model: torch.nn.Module, optimizer) -> None:
+        if not self.grads_dir:
+            return
+        moments = full_moments(model, optimizer)
+        if self.rank == 0:
+            world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+            torch.save(moments, Path(self.grads_dir) / f"{event}_{step}_ws{world}.pt")
+
+
+def full_moments(model: torch.nn.Module, optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """Each parameter's Adam moments, whole, under any engine (a collective under ZeRO and FSDP: every rank calls it)."""
+    from torch.distributed.tensor import DTensor
+
+    if hasattr(model, "zero_optimization_stage") and model.zero_optimization_stage() in (1, 2):
+        return zero12_moments(model)
+    inner = getattr(model, "module", model)
+    out = {}
+    for name, p in inner.named_parameters():
+        out[name] = {}
+        for key in MOMENTS:
+            if hasattr(model, "zero_optimization_stage"):  # ZeRO-3
+                from deepspeed.utils import safe_get_full_optimizer_state
+
+                value = safe_get_full_optimizer_state(p, key)
+            else:
+                value = optimizer.optimizer.state[p][key]
+                value = value.full_tensor() if isinstance(value, DTensor) else value
+            out[name][key] = value.detach().float().cpu().clone()
+    return out
+
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def zero12_moments(engine) -> dict[str, dict[str, torch.Tensor]]:
+    """ZeRO-1/2: each rank's fragment of each parameter (its place in the rank's flat partition, from the optimizer's
+    `param_slice_mappings`), gathered and put end to end in rank order."""
+    sd = engine.optimizer.state_dict()
+    mine = {}
+    for group, mapping in enumerate(sd["param_slice_mappings"]):
+        state = sd["base_optimizer_state"]["state"][group]
+        for name, fragment in mapping.items():
+            mine[name] = {key: state[key].narrow(0, fragment.start, fragment.numel).float().cpu() for key in MOMENTS}
+    ranks = [None] * torch.distributed.get_world_size() if torch.distributed.is_initialized() else [mine]
+    if torch.distributed.is_initialized():
+        torch.distributed.all_gather_object(ranks, mine)
+    shapes = {name: p.shape for name, p in engine.module.named_parameters()}
+    return {
+        name: {key: torch.cat([r[name][key] for r in ranks if name in r]).reshape(shape) for key in MOMENTS}
+        for name, shape in shapes.items()
+    }
 
 
 def hooks_from_env(rank: int) -> Hooks:

@@ -192,6 +192,9 @@ class Hooks:
     def before_optimizer_step(self, step: int, model: torch.nn.Module, grad_norm) -> None:
         """After the backward passes and clipping of `step`, before the optimizer steps (DeepSpeed has stepped already)."""
 
+    def on_state(self, event: str, step: int, model: torch.nn.Module, optimizer) -> None:
+        """On every rank, once the state of `step` is saved ("saved") or loaded ("resumed")."""
+
 
 @dataclass
 class StepResult:
@@ -375,6 +378,7 @@ class Trainer:
             state.load_state_dict(manifest)
             with exit_on(DataError, "data error"):  # a data_mixture other than the checkpoint's, say
                 self.cursor.load_state_dict(manifest["cursor"])
+            self.hooks.on_state("resumed", state.step, self.model, self.optimizer)
         self.clock.restart()
         if save_seconds and args.save_interval_minutes == "auto":  # Young/Daly from the preflight's save, not a default
             acc.print(f"a save takes {save_seconds:.1f}s: saving every {self.clock.saved(save_seconds):.1f} min (Young/Daly)")
@@ -564,6 +568,7 @@ class Trainer:
         with exit_on(CheckpointError, "checkpoint error"), self.heartbeat.relaxed():  # a long synchronous save is not a hang
             self.checkpoints.save(state.step, {**facts, **self.facts}, background=args.async_save and not last)
         seconds = time.perf_counter() - start
+        self.hooks.on_state("saved", state.step, self.model, self.optimizer)
         if (minutes := self.clock.saved(seconds)) is not None:
             self.accelerator.print(f"a save takes {seconds:.1f}s: saving every {minutes:.1f} min (Young/Daly, MTBF {args.mtbf_hours:g} h)")
         self.tracker.log({"checkpoint/save_seconds": seconds, "checkpoint/interval_minutes": self.clock.interval / 60}, step=state.step)

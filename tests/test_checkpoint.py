@@ -299,12 +299,13 @@ def test_the_preemption_watchdog_ends_a_process_that_does_not_exit(tmp_path):
     assert proc.returncode == 1 and "no clean exit within preemption_grace_seconds=0.5" in proc.stdout  # not 0 after the sleep
 
 
-def test_a_zero_checkpoint_from_another_world_size_is_refused(accelerator, trainer, tmp_path):
+def test_a_zero_checkpoint_is_refused_by_another_engine(accelerator, trainer, tmp_path):
+    """Another world size or ZeRO stage is converted (tests/test_elastic.py); another engine is refused."""
     _, state, step = trainer
     checkpoints = manager(accelerator, tmp_path)
     step()
     checkpoints.save(state.step, {"distributed_type": "DEEPSPEED", "world_size": 8})  # as 8 ZeRO ranks would write it
-    with pytest.raises(CheckpointError, match=r"written by 8 DEEPSPEED processes and this run is 1 NO: ZeRO checkpoints are sharded"):
+    with pytest.raises(CheckpointError, match=r"written by 8 DEEPSPEED processes and this run is 1 NO: a ZeRO checkpoint resumes"):
         checkpoints.resume("auto")
     assert checkpoints.path(1).exists()  # refused, not thrown away
 
@@ -382,3 +383,44 @@ def test_a_sealed_checkpoint_leaves_the_page_cache(tmp_path):
     assert cached_pages(data) > 0  # just written: in the cache
     assert seal(tmp_path)["model.safetensors"]["size"] == 8 << 20
     assert cached_pages(data) == 0
+
+
+def test_a_zero_checkpoint_is_converted_once_and_a_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
+    """The universal sibling (infra.checkpoint.reshard; real conversions: tests/test_elastic.py) is made once and reused
+    while it verifies; a damaged one is made again; a conversion that fails leaves no folder and names the checkpoint."""
+    import subprocess
+
+    from infra.checkpoint import reshard
+
+    checkpoint = tmp_path / "step_00000004"
+    (checkpoint / reshard.ZERO_FOLDER).mkdir(parents=True)
+    (checkpoint / reshard.ZERO_FOLDER / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"shard")
+    (checkpoint / "scheduler.bin").write_bytes(b"scheduler")
+    atomic_write_text(checkpoint / "manifest.json", json.dumps({"step": 4, "files": {}}))
+    runs = []
+
+    def ds_to_universal(command, **kw):  # writes what DeepSpeed's tool writes: the per-parameter folders
+        runs.append(command)
+        out = Path(command[command.index("--output_folder") + 1])
+        (out / "zero" / "w").mkdir(parents=True)
+        (out / "zero" / "w" / "exp_avg.pt").write_bytes(b"moments")
+        return subprocess.CompletedProcess(command, 0, stdout="")
+
+    monkeypatch.setattr(reshard.subprocess, "run", ds_to_universal)
+    made = reshard.to_universal(checkpoint)
+    assert made == tmp_path / "step_00000004.universal" and len(runs) == 1
+    manifest = read_manifest(made)
+    assert manifest["step"] == 4 and manifest["converted_from"] == checkpoint.name
+    assert set(manifest["files"]) == {"scheduler.bin", "pytorch_model/zero/w/exp_avg.pt"} and problem(made) is None
+    assert reshard.to_universal(checkpoint) == made and len(runs) == 1  # whole: reused
+    (made / "pytorch_model" / "zero" / "w" / "exp_avg.pt").write_bytes(b"MOMENTS")  # same size, altered
+    assert reshard.to_universal(checkpoint) == made and len(runs) == 2 and problem(made) is None
+
+    def failing(command, **kw):
+        return subprocess.CompletedProcess(command, 1, stdout="AssertionError: no ZeRO files\n")
+
+    monkeypatch.setattr(reshard.subprocess, "run", failing)
+    (made / "scheduler.bin").unlink()
+    with pytest.raises(CheckpointError, match=r"converting .*step_00000004 to a universal checkpoint failed \(AssertionError"):
+        reshard.to_universal(checkpoint)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004"]

@@ -4,7 +4,9 @@
 - `staging`: background saves (`async_save`): the state copied to CPU memory, written from a thread;
 - `integrity`: checksums and sizes in the manifest, sealed by every rank's share, checked before a load;
 - `retention`: which checkpoints are kept (and how many, for the disk preflight);
-- `clock`: when a save is due (steps, minutes, Young/Daly).
+- `clock`: when a save is due (steps, minutes, Young/Daly);
+- `trainable`: a model with frozen parameters (LoRA) saves and loads the others only;
+- `reshard`: a ZeRO checkpoint from another world size or stage, converted once to DeepSpeed's universal format.
 """
 
 from infra.checkpoint.clock import SaveClock, SaveClockConfig

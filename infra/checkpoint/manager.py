@@ -33,11 +33,13 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list
 
 from infra.checkpoint.integrity import MANIFEST, CheckpointError, Checksums, fsync_dirs, problem, read_manifest, seal, seal_shared, share
+from infra.checkpoint.reshard import load_universal, to_universal, universal_path
 from infra.checkpoint.retention import RetentionConfig, RetentionPolicy
 from infra.checkpoint.staging import CpuStaging
 from infra.checkpoint.trainable import load_state
 from infra.config import require, to_json
 from infra.distributed import all_ranks_ok, gathered
+from infra.environment import zero_stage
 from infra.files import atomic_write_text, drop_cached, fsync_dir
 
 log = logging.getLogger(__name__)
@@ -134,8 +136,11 @@ class CheckpointManager:
             why = self._on_main(lambda path=path: problem(path, checksums=False))
             if why is None and (incompatible := self._on_main(lambda path=path: self._incompatibility(path))):
                 raise CheckpointError(f"cannot resume from {path}: {incompatible}")
+            universal = None
+            if why is None and self._on_main(lambda path=path: self._needs_universal(path)):
+                why, universal = self._converted(path, checksums)
             if why is None:
-                why = self._load_verified(path, checksums)
+                why = self._load_verified(universal or path, checksums, universal is not None)
             if why is None:
                 return path, read_manifest(path)
             if explicit:
@@ -147,8 +152,9 @@ class CheckpointManager:
             acc.wait_for_everyone()
         return None, {}
 
-    def _load_verified(self, path: Path, checksums: bool) -> str | None:
-        """Load `path` on every rank while each rank checksums its `share` of the files; why it is unusable, or None."""
+    def _load_verified(self, path: Path, checksums: bool, universal: bool = False) -> str | None:
+        """Load `path` on every rank while each rank checksums its `share` of the files; why it is unusable, or None.
+        `universal`: a DeepSpeed universal checkpoint (reshard.py)."""
         acc = self.accelerator
         mismatch, error, checking = None, None, None
         if checksums:
@@ -159,7 +165,10 @@ class CheckpointManager:
             except Exception as err:  # whatever it is, every rank must reach the gather below
                 mismatch = f"checksumming failed ({err})"
         try:
-            load_state(acc, path)
+            if universal:
+                load_universal(acc, path, load_state)
+            else:
+                load_state(acc, path)
         except Exception as err:  # a damaged file the checksums will name, usually
             error = f"loading failed ({err})"
         if checking is not None:
@@ -184,11 +193,11 @@ class CheckpointManager:
         manifest = read_manifest(path)
         acc = self.accelerator
         was, now = manifest.get("distributed_type"), acc.distributed_type.value
-        if DistributedType.DEEPSPEED.value in (was, now) and (was != now or manifest.get("world_size") != acc.num_processes):
+        if DistributedType.DEEPSPEED.value in (was, now) and was != now:
             return (
                 f"it was written by {manifest.get('world_size')} {was} processes and this run is {acc.num_processes} {now}: "
-                "ZeRO checkpoints are sharded per rank, so resume with the same world size and engine "
-                "(or convert it with DeepSpeed's ds_to_universal)"
+                "a ZeRO checkpoint resumes under DeepSpeed only (on any number of processes and ZeRO stage), and another "
+                "engine's only without DeepSpeed, so resume with the engine that wrote it"
             )
         if was == DistributedType.DEEPSPEED.value and manifest.get("mixed_precision", acc.mixed_precision) != acc.mixed_precision:
             return (
@@ -196,6 +205,31 @@ class CheckpointManager:
                 f"keeps its optimizer state per precision, so resume with --mixed_precision {manifest['mixed_precision']}"
             )
         return None
+
+    def _needs_universal(self, path: Path) -> bool:
+        """A ZeRO checkpoint written by another number of processes or another ZeRO stage (reshard.py)."""
+        manifest, acc = read_manifest(path), self.accelerator
+        if not manifest.get("distributed_type") == acc.distributed_type.value == DistributedType.DEEPSPEED.value:
+            return False
+        stage = zero_stage(acc)
+        return manifest.get("world_size") != acc.num_processes or manifest.get("zero_stage", stage) != stage
+
+    def _converted(self, path: Path, checksums: bool) -> tuple[str | None, Path | None]:
+        """(why `path` is unusable, None), or (None, its universal sibling): the source verified, then converted once, on
+        rank 0 while the others wait. A conversion that fails stops the run (the checkpoint itself may be fine)."""
+
+        def convert() -> tuple[str | None, str | None, str | None]:
+            if (bad := problem(path, checksums=checksums)) is not None:
+                return bad, None, None
+            try:
+                return None, str(to_universal(path)), None
+            except CheckpointError as err:
+                return None, None, str(err)
+
+        why, universal, failed = self._on_main(convert)
+        if failed:
+            raise CheckpointError(failed)
+        return why, Path(universal) if universal else None
 
     def save(self, step: int, manifest: dict[str, Any], background: bool = False) -> Path:
         """Save, commit (manifest last, then rename), then prune. Called on every rank.
@@ -296,3 +330,4 @@ class CheckpointManager:
         for old in self.checkpoints():
             if old not in kept:
                 shutil.rmtree(old, ignore_errors=True)
+                shutil.rmtree(universal_path(old), ignore_errors=True)
