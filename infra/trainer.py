@@ -300,14 +300,21 @@ class Trainer:
 
         self.state = TrainState()
         self.retention = RetentionPolicy(args)
-        self.checkpoints = CheckpointManager(acc, args.output_dir, config, self.retention, before_commit=self.hooks.before_commit)
+        self.exporter = Exporter(acc, args.output_dir, job.name, job.processor, job.task, config, adapter_only=job.adapter_only)
+        self.checkpoints = CheckpointManager(
+            acc,
+            args.output_dir,
+            config,
+            self.retention,
+            before_commit=self.hooks.before_commit,
+            describe=lambda folder: self.exporter.describe(self.model, folder),
+        )
         self.clock = SaveClock(args)
         self.preemption = Preemption(args.preemption_grace_seconds)
         self.consensus = StepConsensus(acc, self.clock, self.preemption)
         self.guard = NonFiniteGuard(acc, args, self.checkpoints, args.verify_checksums)
         sources = [s.name for s in job.data.mixture.sources] if job.data.mixture and job.per_sample_losses else []
         self.metrics = TrainMetrics(acc, job.unit, job.flops_per_unit, compiled=args.torch_compile, sources=sources)
-        self.exporter = Exporter(acc, args.output_dir, job.name, job.processor, job.task, config, adapter_only=job.adapter_only)
         self.stragglers = StragglerDetector(acc, self.model, args.straggler_window_steps, args.straggler_factor, args.straggler_patience)
         self.heartbeat = Heartbeat(acc, args.ddp_timeout, args.ddp_step_timeout)
         # set by resume(): they depend on the checkpoint resumed from

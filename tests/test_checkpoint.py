@@ -424,3 +424,30 @@ def test_a_zero_checkpoint_is_converted_once_and_a_failed_conversion_leaves_noth
     with pytest.raises(CheckpointError, match=r"converting .*step_00000004 to a universal checkpoint failed \(AssertionError"):
         reshard.to_universal(checkpoint)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004"]
+
+
+def test_the_exporter_refuses_bad_input_in_one_line(tmp_path, capsys):
+    """`python -m infra.export` (real exports: tests/test_recipes.py): an existing output, a checkpoint that does not
+    verify, one without its model description: exit 1, one line, nothing written."""
+    from infra.export import main
+
+    checkpoint = tmp_path / "step_00000004"
+    checkpoint.mkdir()
+    (checkpoint / "model.safetensors").write_bytes(b"weights")
+    cases = [
+        (["--output", str(tmp_path)], f"--output {tmp_path} exists: give a new folder"),
+        (["--output", str(tmp_path / "out")], "is not a usable checkpoint: no manifest.json"),
+    ]
+    for extra, message in cases:
+        with pytest.raises(SystemExit) as exit_:
+            main(["--checkpoint", str(checkpoint), *extra])
+        assert exit_.value.code == 1 and message in capsys.readouterr().err
+    atomic_write_text(checkpoint / "manifest.json", json.dumps({"step": 4, "files": {"model.safetensors": {"size": 7}}}))
+    with pytest.raises(SystemExit):
+        main(["--checkpoint", str(checkpoint), "--output", str(tmp_path / "out")])
+    assert "is not a usable checkpoint: model.safetensors: its manifest entry has no checksum" in capsys.readouterr().err
+    atomic_write_text(checkpoint / "manifest.json", json.dumps({"step": 4, "files": seal(checkpoint, ["model.safetensors"])}))
+    with pytest.raises(SystemExit):
+        main(["--checkpoint", str(checkpoint), "--output", str(tmp_path / "out")])
+    assert "has no model/ (checkpoints written before this version lack it)" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004"]

@@ -208,6 +208,7 @@ def straight_then_resumed(recipe: str, config: str, inputs, tmp_path: Path, extr
     import transformers
 
     exported = getattr(transformers, AUTO_CLASS[recipe]).from_pretrained(b / "out" / "final")  # it loads (gathered under ZeRO-3)
+    assert_export_equals_final(b / "out", 2 * STEPS, tmp_path / "exported", AUTO_CLASS[recipe], lora="--use_peft" in extra)
     if config == "fsdp.yaml":  # the export is the whole model: accelerate's merge of the last checkpoint's shards, bit for bit
         from accelerate.utils import merge_fsdp_weights
 
@@ -216,6 +217,30 @@ def straight_then_resumed(recipe: str, config: str, inputs, tmp_path: Path, extr
         assert {name for name, _ in exported.named_parameters()} <= merged.keys() <= loaded.keys()
         assert all(torch.equal(loaded[k].to(v.dtype), v) for k, v in merged.items())
     return a, b
+
+
+def assert_export_equals_final(out: Path, step: int, exported: Path, auto_class: str, lora: bool = False) -> None:
+    """`python -m infra.export` of the last checkpoint: the model of the run's own final/ (in its dtype: ZeRO-3 gathers
+    bf16 weights), with the same files beside it. A LoRA checkpoint holds no base model: refused."""
+    import subprocess
+    import sys
+
+    import transformers
+
+    checkpoint = out / "checkpoints" / f"step_{step:08d}"
+    command = [sys.executable, "-m", "infra.export", "--checkpoint", str(checkpoint), "--output", str(exported)]
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=300)
+    if lora:
+        assert proc.returncode == 1 and "holds a LoRA adapter without its base model" in proc.stderr and not exported.exists()
+        return
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = {t.dtype for t in load_file(out / "final" / "model.safetensors").values()}  # one dtype
+    load = getattr(transformers, auto_class).from_pretrained
+    ours, final = load(exported).state_dict(), load(out / "final").state_dict()
+    assert ours.keys() == final.keys()
+    for name, tensor in final.items():
+        assert torch.equal(ours[name].to(*saved).to(tensor.dtype), tensor), f"{name} differs from final/"
+    assert {p.name for p in (out / "final").iterdir()} == {p.name for p in exported.iterdir()}
 
 
 @pytest.mark.parametrize(

@@ -32,7 +32,18 @@ from typing import Any
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list
 
-from infra.checkpoint.integrity import MANIFEST, CheckpointError, Checksums, fsync_dirs, problem, read_manifest, seal, seal_shared, share
+from infra.checkpoint.integrity import (
+    MANIFEST,
+    CheckpointError,
+    Checksums,
+    files_below,
+    fsync_dirs,
+    problem,
+    read_manifest,
+    seal,
+    seal_shared,
+    share,
+)
 from infra.checkpoint.reshard import load_universal, to_universal, universal_path
 from infra.checkpoint.retention import RetentionConfig, RetentionPolicy
 from infra.checkpoint.staging import CpuStaging
@@ -87,14 +98,17 @@ class CheckpointManager:
         config: dict,
         retention: RetentionPolicy | None = None,
         before_commit: Callable[[int], None] | None = None,
+        describe: Callable[[Path], None] | None = None,
     ):
-        """`config` is written beside every checkpoint; `before_commit(step)` runs between a synchronous save_state and its
-        commit (a test hook: infra.testing pauses there so that a test can kill a save midway)."""
+        """`config` is written beside every checkpoint, and `describe(folder)` adds what else it needs (on rank 0: the
+        model's config, for infra.export); `before_commit(step)` runs between a synchronous save_state and its commit (a
+        test hook: infra.testing pauses there so that a test can kill a save midway)."""
         self.accelerator = accelerator
         self.root = Path(output_dir) / "checkpoints"
         self.config = config
         self.retention = retention or RetentionPolicy(RetentionConfig(save_total_limit=None))  # keeps every checkpoint
         self.before_commit = before_commit
+        self.describe = describe
         self._background: threading.Thread | None = None  # a background save, or pruning
         self._background_error: tuple[int, Exception] | None = None
         self._staging = CpuStaging()  # CPU copies of background saves
@@ -286,7 +300,11 @@ class CheckpointManager:
     def _commit(self, work: Path, final: Path, step: int, manifest: dict[str, Any], files: dict | None = None) -> None:
         """On rank 0: config.json, the checksums (of every file, unless `files` has the ranks' own), manifest.json, rename."""
         (work / CONFIG).write_text(to_json(self.config))
-        files = seal(work) if files is None else {**files, **seal(work, [CONFIG])}
+        before = set(files_below(work))
+        if self.describe is not None:
+            self.describe(work)
+        ours = [CONFIG, *sorted(set(files_below(work)) - before)]
+        files = seal(work) if files is None else {**files, **seal(work, ours)}
         fsync_dirs(work)
         atomic_write_text(work / MANIFEST, json.dumps({**manifest, "step": step, "files": files}, indent=2))
         os.rename(work, final)
