@@ -308,6 +308,7 @@ class Trainer:
             self.retention,
             before_commit=self.hooks.before_commit,
             describe=lambda folder: self.exporter.describe(self.model, folder),
+            upload_to=args.checkpoint_upload_dir,
         )
         self.clock = SaveClock(args)
         self.preemption = Preemption(args.preemption_grace_seconds)
@@ -600,6 +601,7 @@ class Trainer:
                 acc.print(
                     f"straggler: saved step {state.step}; exiting with code {STRAGGLER_EXIT_CODE} so the job restarts without the slow rank"
                 )
+        self.checkpoints.close()  # the last upload done
         self.tracker.close()
         if stop is None and self.args.log_model:
             self.exporter.log_to_mlflow(self.args.register_model)

@@ -457,6 +457,31 @@ def test_data_on_object_storage_trains_to_the_same_weights(straight, small_data,
         assert trace(out, rank) == trace(straight_tmp / "out", rank)
 
 
+def test_checkpoints_on_object_storage_resume_on_an_empty_disk(straight, small_data, s3, tmp_path):
+    """Each checkpoint uploaded (moto's S3 on 127.0.0.1) and pruned there as here; the newest remote one truncated; the
+    local output_dir deleted: a fresh launch reports the truncated one, downloads the one before, and ends bit for bit
+    where the uninterrupted run did."""
+    fs, bucket = s3
+    url, out = f"s3://{bucket}/run/checkpoints", tmp_path / "out"
+
+    def args(steps: int) -> list[str]:
+        return recipe_args(small_data, out, steps, "--checkpoint_upload_dir", url, "--report_to", "none")
+
+    first = launch("cpu.yaml", args(STEPS), tmp_path)
+    assert first.returncode == 0 and f"uploaded step_{STEPS:08d} to {url}" in first.stdout
+    local = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
+    assert local == [f"step_{STEPS - 4:08d}", f"step_{STEPS:08d}"]  # save_total_limit: 2
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/run/checkpoints")) == local
+    newest = f"{bucket}/run/checkpoints/step_{STEPS:08d}/model.safetensors"
+    fs.pipe(newest, fs.cat(newest)[:1000])
+    shutil.rmtree(out)
+    second = launch("cpu.yaml", args(2 * STEPS), tmp_path)
+    assert second.returncode == 0
+    assert f"warning: skipping remote checkpoint {url}/step_{STEPS:08d}: model.safetensors has 1000 bytes" in second.stdout
+    assert f"resumed at step {STEPS - 4}" in second.stdout
+    assert_same_weights(straight[0] / "out", out)
+
+
 # Weighted data mixtures (infra.data.mixture; the order itself: tests/test_mixture.py)
 
 

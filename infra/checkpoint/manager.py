@@ -44,11 +44,13 @@ from infra.checkpoint.integrity import (
     seal_shared,
     share,
 )
+from infra.checkpoint.remote import RemoteCheckpoints
 from infra.checkpoint.reshard import load_universal, to_universal, universal_path
 from infra.checkpoint.retention import RetentionConfig, RetentionPolicy
 from infra.checkpoint.staging import CpuStaging
 from infra.checkpoint.trainable import load_state
 from infra.config import require, to_json
+from infra.data.remote import is_remote
 from infra.distributed import all_ranks_ok, gathered
 from infra.environment import zero_stage
 from infra.files import atomic_write_text, drop_cached, fsync_dir
@@ -77,8 +79,22 @@ class CheckpointConfig:
         default="auto",
         metadata={"help": "'auto' resumes from the newest checkpoint in output_dir, 'none' starts fresh, or a checkpoint path."},
     )
+    checkpoint_upload_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "An fsspec URL (s3://bucket/prefix): each checkpoint is uploaded after its local commit, and a resume on "
+            "an empty disk downloads the newest remote one that verifies (infra.checkpoint.remote)."
+        },
+    )
 
     def __post_init__(self):
+        if self.checkpoint_upload_dir is not None:
+            require(
+                is_remote(self.checkpoint_upload_dir),
+                "checkpoint_upload_dir",
+                self.checkpoint_upload_dir,
+                "an fsspec URL such as s3://bucket/prefix",
+            )
         if self.resume_from_checkpoint not in ("auto", "none"):
             require(
                 Path(self.resume_from_checkpoint).is_dir(),
@@ -99,16 +115,20 @@ class CheckpointManager:
         retention: RetentionPolicy | None = None,
         before_commit: Callable[[int], None] | None = None,
         describe: Callable[[Path], None] | None = None,
+        upload_to: str | None = None,
     ):
         """`config` is written beside every checkpoint, and `describe(folder)` adds what else it needs (on rank 0: the
         model's config, for infra.export); `before_commit(step)` runs between a synchronous save_state and its commit (a
-        test hook: infra.testing pauses there so that a test can kill a save midway)."""
+        test hook: infra.testing pauses there so that a test can kill a save midway). `upload_to`: an fsspec URL each
+        committed checkpoint is uploaded to (remote.py)."""
         self.accelerator = accelerator
         self.root = Path(output_dir) / "checkpoints"
         self.config = config
         self.retention = retention or RetentionPolicy(RetentionConfig(save_total_limit=None))  # keeps every checkpoint
         self.before_commit = before_commit
         self.describe = describe
+        self.remote = RemoteCheckpoints(upload_to) if upload_to else None
+        self._upload: threading.Thread | None = None
         self._background: threading.Thread | None = None  # a background save, or pruning
         self._background_error: tuple[int, Exception] | None = None
         self._staging = CpuStaging()  # CPU copies of background saves
@@ -144,6 +164,8 @@ class CheckpointManager:
         if resume_from_checkpoint == "none":
             return None, {}
         explicit = resume_from_checkpoint != "auto"
+        if self.remote is not None and not explicit:
+            self._on_main(lambda: self._download_newer(checksums))
         candidates = [Path(resume_from_checkpoint)] if explicit else list(reversed(self.checkpoints()))
         acc = self.accelerator
         for path in candidates:
@@ -165,6 +187,18 @@ class CheckpointManager:
                 os.replace(path, self.root / CORRUPT / f"{path.name}.{int(time.time())}")
             acc.wait_for_everyone()
         return None, {}
+
+    def _download_newer(self, checksums: bool) -> None:
+        """On rank 0: the newest remote checkpoint newer than every local one, downloaded and verified; one that does
+        not verify is reported and the one before it tried."""
+        local = [int(p.name[len(PREFIX) :]) for p in self.checkpoints()]
+        for step in reversed(self.remote.steps()):
+            if local and step <= max(local):
+                return
+            why = self.remote.download(step, self.root, checksums)
+            if why is None:
+                return
+            print(f"warning: skipping remote checkpoint {self.remote.url}/step_{step:08d}: {why}", flush=True)
 
     def _load_verified(self, path: Path, checksums: bool, universal: bool = False) -> str | None:
         """Load `path` on every rank while each rank checksums its `share` of the files; why it is unusable, or None.
@@ -292,10 +326,37 @@ class CheckpointManager:
         if not all_ranks_ok(acc, error is None):
             self._give_up(work, step, error)
         if acc.is_main_process:  # deleting old checkpoints is not on the training's critical path
-            self._background = threading.Thread(target=self.prune, name="checkpoint-prune")
+            self._background = threading.Thread(target=self._after_commit, args=(final,), name="checkpoint-prune")
             self._background.start()
         acc.wait_for_everyone()
         return final
+
+    def _after_commit(self, final: Path) -> None:
+        """Prune; then upload `final` from a thread of its own, once the previous upload is done (remote.py)."""
+        self.prune()
+        if self.remote is not None:
+            if self._upload is not None:
+                self._upload.join()
+            self._upload = threading.Thread(target=self._upload_one, args=(final,), name="checkpoint-upload")
+            self._upload.start()
+
+    def _upload_one(self, final: Path) -> None:
+        start = time.monotonic()
+        try:
+            sent = self.remote.upload(final)
+            self.remote.prune({int(p.name[len(PREFIX) :]) for p in self.checkpoints()})
+        except Exception as err:  # the run goes on: the next checkpoint is uploaded as usual
+            print(f"warning: uploading {final.name} to {self.remote.url} failed ({err}); the local checkpoint is intact", flush=True)
+            return
+        seconds = time.monotonic() - start
+        print(f"uploaded {final.name} to {self.remote.url}: {sent / 2**20:.1f} MiB in {seconds:.1f} s", flush=True)
+
+    def close(self) -> None:
+        """At the end of a run: the background save, pruning and upload finished (rank 0 waits for them)."""
+        self.wait()
+        if self._upload is not None:
+            self._upload.join()
+            self._upload = None
 
     def _commit(self, work: Path, final: Path, step: int, manifest: dict[str, Any], files: dict | None = None) -> None:
         """On rank 0: config.json, the checksums (of every file, unless `files` has the ranks' own), manifest.json, rename."""
@@ -314,7 +375,7 @@ class CheckpointManager:
         try:
             self._staging.write(self.accelerator, work, staged)
             self._commit(work, final, step, manifest)
-            self.prune()
+            self._after_commit(final)
         except Exception as err:
             shutil.rmtree(work, ignore_errors=True)
             self._background_error = (step, err)
