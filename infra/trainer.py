@@ -94,6 +94,12 @@ class LoopConfig:
         ):
             require(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
         require(self.eval_steps >= 0, "eval_steps", self.eval_steps, "an integer >= 0")
+        require(
+            "://" not in self.output_dir,
+            "output_dir",
+            self.output_dir,
+            "a local or shared folder (checkpoints go to object storage with checkpoint_upload_dir)",
+        )
 
 
 @dataclass

@@ -39,6 +39,8 @@ def test_yaml_sets_fields_and_flags_override_it(tmp_path):
         ("", ["--report_to", "wandb"], "invalid choice: 'wandb'"),
         ("", ["--max_step", "1"], "unknown argument '--max_step 1' (did you mean '--max_steps'?)"),
         ("- a\n- b\n", [], "expected a mapping of field: value"),
+        ("", ["--output_dir", "s3://b/run"], "output_dir='s3://b/run' is not valid: expected a local or shared folder"),
+        ("", ["--checkpoint_upload_dir", "/tmp/x"], "checkpoint_upload_dir='/tmp/x' is not valid: expected an fsspec URL"),
     ],
 )
 def test_bad_values_name_the_field_and_what_is_accepted(tmp_path, yaml_text, argv, expected):
