@@ -138,6 +138,7 @@ FROZEN_SURFACE = {
         "async_save": False,
         "verify_checksums": True,
         "resume_from_checkpoint": "auto",
+        "checkpoint_upload_dir": None,
         "preemption_grace_seconds": 120.0,
         "max_bad_steps": 3,
         "on_bad_steps": "rollback",
