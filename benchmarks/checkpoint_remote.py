@@ -31,22 +31,10 @@ sys.path.insert(0, str(REPO))
 def serve_s3() -> tuple[object, dict[str, str]]:
     import logging
 
-    from moto.server import ThreadedMotoServer
+    from tests.conftest import moto_s3
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
-
-    from tests.conftest import free_port
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    env = {
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-        "AWS_ACCESS_KEY_ID": "bench",
-        "AWS_SECRET_ACCESS_KEY": "bench",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
-    return server, env
+    return moto_s3()
 
 
 def upload(checkpoint: Path, repeats: int) -> None:

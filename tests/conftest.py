@@ -110,9 +110,8 @@ def launch(accelerate_config: str, recipe_args: list[str], tmp_path: Path, timeo
     return proc
 
 
-@pytest.fixture(scope="session")
-def s3_server():
-    """An S3-compatible server (moto) on 127.0.0.1, and the environment that points boto/s3fs at it."""
+def moto_s3():
+    """A started S3-compatible server (moto) on 127.0.0.1, and the environment that points boto/s3fs at it."""
     from moto.server import ThreadedMotoServer
 
     port = free_port()
@@ -124,6 +123,13 @@ def s3_server():
         "AWS_SECRET_ACCESS_KEY": "test",
         "AWS_DEFAULT_REGION": "us-east-1",
     }
+    return server, env
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """An S3-compatible server (moto) on 127.0.0.1, and the environment that points boto/s3fs at it."""
+    server, env = moto_s3()
     yield env
     server.stop()
 
