@@ -4,7 +4,7 @@ Run before every recipe's training loop (`--preflight false` skips it) and alone
 (`--preflight_only true`): the accelerators and their free memory on every rank, a collective
 across all ranks, the data index, a real `save_state`/`load_state` round trip of the configured
 model and optimizer (timed, and compared), free disk in `output_dir` against what the kept
-checkpoints will take (measured from that round trip), and the MLflow store. It prints one table;
+checkpoints will take (measured from that round trip), checkpoint_upload_dir, and the MLflow store. It prints one table;
 any failure ends the run with exit code 1 before a step is taken, each with its own message.
 After the first steps, `EtaCheck` prints steps/s, tokens/s and the time to `max_steps`.
 """
@@ -197,6 +197,23 @@ def round_trip(accelerator: Accelerator, model: torch.nn.Module, output_dir: str
     return Check("checkpoint", True, detail), size, save_seconds
 
 
+def upload_target(url: str) -> Check:
+    """checkpoint_upload_dir takes a small object and gives it back (the credentials, the endpoint, the bucket)."""
+    from infra.checkpoint.remote import RemoteCheckpoints
+
+    remote = RemoteCheckpoints(url)
+    probe = f"{remote.url}/.preflight-{socket.gethostname()}-{os.getpid()}"
+    try:
+        remote.fs.pipe_file(probe, b"preflight")
+        back = remote.fs.cat_file(probe)
+        remote.fs.rm(probe)
+    except Exception as err:  # whatever the filesystem raises: missing bucket, no credentials, no route
+        return Check("upload", False, f"checkpoint_upload_dir={url!r} is not writable ({type(err).__name__}: {err})")
+    if back != b"preflight":
+        return Check("upload", False, f"checkpoint_upload_dir={url!r} gave back other bytes than were written")
+    return Check("upload", True, f"{url} writable")
+
+
 def disk(output_dir: str | os.PathLike, checkpoint_bytes: int, kept: int, export_bytes: int) -> Check:
     """Free space against `kept` checkpoints, one more being written, and the exported model, less what a
     resumed run's checkpoints already take (they are replaced, not added to; an earlier export stays
@@ -249,6 +266,7 @@ def run_preflight(
     tracking_uri: str | None,
     data_checksums: bool = False,
     memory: tuple[Shape, Setup] | None = None,
+    upload_dir: str | None = None,
 ) -> float:
     """Every check, one table on rank 0; raises PreflightError (exit 1) on every rank if a check failed on any.
 
@@ -262,6 +280,8 @@ def run_preflight(
         checks.append(memory_fit(accelerator, model, *memory))
     if main:
         checks += [data(dataset, data_checksums), writable(output_dir)]
+        if upload_dir is not None:
+            checks.append(upload_target(upload_dir))
     can_save = all_ranks_ok(accelerator, all(c.ok for c in checks))
     save_seconds = 0.0
     if can_save:

@@ -380,6 +380,7 @@ class Trainer:
             tracking_uri() if args.report_to == "mlflow" else None,
             data_checksums=self.job.data.preflight_hashes,
             memory=(self.shape, Setup.of(self.accelerator, args.gradient_checkpointing)) if self.shape else None,
+            upload_dir=args.checkpoint_upload_dir,
         )
 
     def resume(self, save_seconds: float = 0.0) -> None:

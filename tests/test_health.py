@@ -112,6 +112,15 @@ def test_preflight_checks_each_fail_with_their_own_message(tmp_path):
     assert RetentionPolicy(Args).most_kept(Args.max_steps, Args.save_steps) == 11  # every save
 
 
+def test_the_preflight_writes_to_checkpoint_upload_dir(s3):
+    from infra.preflight import upload_target
+
+    fs, bucket = s3
+    assert upload_target(f"s3://{bucket}/run/checkpoints").ok and not fs.ls(bucket)  # the probe is gone again
+    missing = upload_target("s3://no-such-bucket-here/run")
+    assert not missing.ok and missing.detail.startswith("checkpoint_upload_dir='s3://no-such-bucket-here/run' is not writable (")
+
+
 def test_doctor_runs_every_check_and_refuses_damaged_data_or_an_unreachable_store(small_data, tmp_path):
     import shutil
 
