@@ -451,3 +451,30 @@ def test_the_exporter_refuses_bad_input_in_one_line(tmp_path, capsys):
         main(["--checkpoint", str(checkpoint), "--output", str(tmp_path / "out")])
     assert "has no model/ (checkpoints written before this version lack it)" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004"]
+
+
+def test_a_zero_checkpoint_is_converted_for_another_world_size_and_refused_for_another_stage(tmp_path):
+    """What a DeepSpeed run decides about a ZeRO checkpoint, from its manifest (real launches: tests/test_elastic.py)."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    run = SimpleNamespace(
+        distributed_type=DistributedType.DEEPSPEED,
+        num_processes=2,
+        mixed_precision="bf16",
+        state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3)),
+    )
+    checkpoints = CheckpointManager(run, tmp_path, {})
+    written = {"distributed_type": "DEEPSPEED", "mixed_precision": "bf16", "files": {}}
+    for facts, converted, refused in [
+        ({"world_size": 2, "zero_stage": 3}, False, None),
+        ({"world_size": 4, "zero_stage": 3}, True, None),
+        ({"world_size": 2, "zero_stage": 2}, False, "written under ZeRO stage 2 and this run is stage 3"),
+    ]:
+        path = tmp_path / "step_00000001"
+        path.mkdir(exist_ok=True)
+        atomic_write_text(path / "manifest.json", json.dumps({**written, **facts}))
+        assert checkpoints._needs_universal(path) == converted
+        why = checkpoints._incompatibility(path)
+        assert why is None if refused is None else refused in why

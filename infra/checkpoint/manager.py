@@ -177,6 +177,8 @@ class CheckpointManager:
                 why, universal = self._converted(path, checksums)
             if why is None:
                 why = self._load_verified(universal or path, checksums, universal is not None)
+                if why is not None and universal is not None:  # the source verified: not a damaged checkpoint
+                    raise CheckpointError(f"cannot resume from {path}: its universal conversion {universal.name} did not load ({why})")
             if why is None:
                 return path, read_manifest(path)
             if explicit:
@@ -218,7 +220,7 @@ class CheckpointManager:
             else:
                 load_state(acc, path)
         except Exception as err:  # a damaged file the checksums will name, usually
-            error = f"loading failed ({err})"
+            error = f"loading failed ({type(err).__name__}: {err})"
         if checking is not None:
             try:
                 mismatch = checking.problem()
@@ -244,8 +246,13 @@ class CheckpointManager:
         if DistributedType.DEEPSPEED.value in (was, now) and was != now:
             return (
                 f"it was written by {manifest.get('world_size')} {was} processes and this run is {acc.num_processes} {now}: "
-                "a ZeRO checkpoint resumes under DeepSpeed only (on any number of processes and ZeRO stage), and another "
-                "engine's only without DeepSpeed, so resume with the engine that wrote it"
+                "a ZeRO checkpoint resumes under DeepSpeed only (on any number of processes), and another engine's only "
+                "without DeepSpeed, so resume with the engine that wrote it"
+            )
+        if was == now == DistributedType.DEEPSPEED.value and manifest.get("zero_stage", zero_stage(acc)) != zero_stage(acc):
+            return (
+                f"it was written under ZeRO stage {manifest['zero_stage']} and this run is stage {zero_stage(acc)}: DeepSpeed's "
+                "universal loader expects the files of the stage that wrote them, so resume with that stage"
             )
         if was == DistributedType.DEEPSPEED.value and manifest.get("mixed_precision", acc.mixed_precision) != acc.mixed_precision:
             return (
@@ -255,12 +262,10 @@ class CheckpointManager:
         return None
 
     def _needs_universal(self, path: Path) -> bool:
-        """A ZeRO checkpoint written by another number of processes or another ZeRO stage (reshard.py)."""
+        """A ZeRO checkpoint written by another number of processes (reshard.py)."""
         manifest, acc = read_manifest(path), self.accelerator
-        if not manifest.get("distributed_type") == acc.distributed_type.value == DistributedType.DEEPSPEED.value:
-            return False
-        stage = zero_stage(acc)
-        return manifest.get("world_size") != acc.num_processes or manifest.get("zero_stage", stage) != stage
+        deepspeed = manifest.get("distributed_type") == acc.distributed_type.value == DistributedType.DEEPSPEED.value
+        return deepspeed and manifest.get("world_size") != acc.num_processes
 
     def _converted(self, path: Path, checksums: bool) -> tuple[str | None, Path | None]:
         """(why `path` is unusable, None), or (None, its universal sibling): the source verified, then converted once, on

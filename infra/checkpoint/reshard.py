@@ -1,8 +1,8 @@
-"""Resuming a ZeRO checkpoint on another number of processes (or another ZeRO stage), with DeepSpeed's own tools.
+"""Resuming a ZeRO checkpoint on another number of processes, with DeepSpeed's own tools.
 
 A ZeRO checkpoint holds each rank's partition of the flat optimizer state, so it loads only on the world size
 that wrote it. DeepSpeed's universal checkpoint holds every parameter's fp32 weights and Adam moments whole, and
-loads on any world size and stage. So, on a resume that needs it:
+loads on any world size. So, on a resume that needs it:
 
     checkpoints/step_00000100/               as written by 2 ranks (verified before anything is read)
     checkpoints/step_00000100.universal/     made once from it by `deepspeed.checkpoint.ds_to_universal`, in a
