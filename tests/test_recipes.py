@@ -391,6 +391,7 @@ def test_a_packed_sample_has_the_loss_of_its_pairs_run_alone(sft_without_dropout
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # the packing itself is tested above; exact resume, by every launch test
 def test_packed_sft_trains_and_resumes_exactly(sft_clm_inputs, packed_sft, tmp_path):
     _, args = sft_clm_inputs
     straight_then_resumed("sft_clm", "cpu.yaml", (packed_sft, args), tmp_path)
@@ -483,7 +484,11 @@ def test_the_step_gradient_is_that_of_the_mean_token_loss_whatever_the_split(con
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("recipe", ["sft_clm", "finetune_classification", "image_classification"])
+@pytest.mark.parametrize(
+    "recipe",
+    # finetune_classification resumes exactly under FSDP in the quick suite (test_recipe_under_sharding_resumes_exactly)
+    ["sft_clm", pytest.param("finetune_classification", marks=pytest.mark.slow), "image_classification"],
+)
 def test_recipe_trains_evaluates_and_resumes_exactly(recipe, request, tmp_path):
     """2 CPU processes: N steps then N more in a new launch == 2N straight, bit for bit; eval logged to one MLflow run."""
     a, _ = straight_then_resumed(recipe, "cpu.yaml", request.getfixturevalue(f"{recipe}_inputs"), tmp_path)
