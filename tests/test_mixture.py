@@ -15,20 +15,22 @@ from infra.data.mixture import RESOLUTION, MixtureCursor, MixtureDataset, Mixtur
 
 
 class Ids(torch.utils.data.Dataset):
-    """A source whose sample i is its global id in the mixture, base + i."""
+    """A source whose sample i is its global id in the mixture, base + i (one shard holding them)."""
 
     def __init__(self, n: int, base: int):
-        self.n, self.base = n, base
+        self.n, self.values = n, np.arange(base, base + n, dtype=np.int64)
 
     def __len__(self) -> int:
         return self.n
 
+    def shard_table(self):
+        return [(0, self.rows, 0)]
+
+    def rows(self, name: str) -> np.ndarray:
+        return self.values
+
     def new_batch(self, n: int) -> dict[str, np.ndarray]:
         return {"input_ids": np.empty(n, dtype=np.int64)}
-
-    def read_into(self, ids, batch, rows) -> None:
-        assert ((ids >= 0) & (ids < self.n)).all()
-        batch["input_ids"][rows] = ids + self.base
 
     def as_batch(self, batch) -> torch.Tensor:
         return torch.from_numpy(batch["input_ids"])
@@ -194,3 +196,21 @@ def test_a_bad_mixture_item_is_refused_naming_it(items, message):
 
     with pytest.raises(ValueError, match=message):
         parse_sources(items)
+
+
+def test_a_mixture_batch_holds_each_source_s_own_samples(small_data):
+    """The shard table of real sources (ranges cut across shard boundaries) reads what each source reads alone."""
+    from infra.data import PackedDataset
+    from infra.data.shards import SampleRange
+
+    dataset = PackedDataset(small_data)  # shards of 32 samples
+    parts = [SampleRange(dataset, 5, 70), SampleRange(dataset, 0, 33), SampleRange(dataset, 64, 65)]
+    mixed = MixtureDataset(["a", "b", "c"], parts)
+    ids = [0, 64, 65, 97, 98, 26, 27, 31, 66, 1, 64]
+    expected = []
+    for i in ids:
+        k = int(mixed.source_index([i])[0])
+        expected.append(parts[k][i - int(mixed.offsets[k])])
+    assert torch.equal(mixed.__getitems__(ids), torch.stack(expected))
+    with pytest.raises(IndexError):
+        mixed.__getitems__([len(mixed)])

@@ -180,12 +180,19 @@ class MixtureCursor:
 
 
 class MixtureDataset(torch.utils.data.Dataset):
-    """The sources' training samples as one sample space: source `k`'s sample `i` is global id `offsets[k] + i`. The
-    parts read into a shared batch (`new_batch`, `read_into`, `as_batch`: PackedDataset and SampleRange do)."""
+    """The sources' training samples as one sample space: source `k`'s sample `i` is global id `offsets[k] + i`.
+
+    A batch is read as from one dataset: the sources' shards form one table (each shard's first global id, what gives
+    its rows, the row of that id), so a batch costs one search over it and one copy per sample, whichever sources its
+    samples come from. The parts give `shard_table`, `new_batch` and `as_batch` (PackedDataset and SampleRange do)."""
 
     def __init__(self, names: list[str], parts: list[SampleRange]):
         self.names, self.parts = names, parts
         self.offsets = np.concatenate([[0], np.cumsum([len(p) for p in parts])])
+        table = [(int(self.offsets[k]) + first, rows, row) for k, part in enumerate(parts) for first, rows, row in part.shard_table()]
+        self._firsts = np.asarray([first for first, _, _ in table], dtype=np.int64)
+        self._rows = [rows for _, rows, _ in table]
+        self._row0 = np.asarray([row for _, _, row in table], dtype=np.int64)
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -198,14 +205,15 @@ class MixtureDataset(torch.utils.data.Dataset):
         return [self.names[k] for k in self.source_index(ids)]
 
     def __getitems__(self, ids: list[int]):
-        """One batch, each source's rows read into it in place (the sources are alike: see PackedDataset.read_into)."""
         ids = np.asarray(ids, dtype=np.int64)
-        which = self.source_index(ids)
-        if len(ids) and not (which.min() >= 0 and which.max() < len(self.parts)):
+        if len(ids) and (ids.min() < 0 or ids.max() >= len(self)):
             raise IndexError(f"sample ids {ids.min()}..{ids.max()} outside [0, {len(self)})")
+        shard = np.searchsorted(self._firsts, ids, side="right") - 1
+        offsets = (self._row0[shard] + ids - self._firsts[shard]).tolist()
         batch = self.parts[0].new_batch(len(ids))
-        for k, rows in grouped(which, len(self.parts)):
-            self.parts[k].read_into(ids[rows] - self.offsets[k], batch, rows.tolist())
+        for name, out in batch.items():
+            for j, (k, offset) in enumerate(zip(shard.tolist(), offsets, strict=True)):
+                out[j] = self._rows[k](name)[offset]
         return self.parts[0].as_batch(batch)
 
 
@@ -253,23 +261,33 @@ class MixtureOrder:
 
 
 class _MixtureBatches(torch.utils.data.Sampler):
-    """This rank's slice of each global batch of mixture positions, from the cursor's, without end."""
+    """This rank's slice of each global batch of mixture positions, from the cursor's, without end. The ids are worked
+    out BLOCK global batches at a time (the interleave's cost is per call, not per sample)."""
+
+    BLOCK = 64
 
     def __init__(self, order: MixtureOrder, start: int, batch_size: int, rank: int, world_size: int):
         self.order, self.start, self.batch_size, self.rank = order, start, batch_size, rank
         self.global_batch = batch_size * world_size
-        self._recent: dict[int, list[int]] = {}
+        self._blocks: dict[int, np.ndarray] = {}
+
+    def _block(self, s: int) -> np.ndarray:
+        """The ids of positions [s, s + BLOCK x global batch): the DataLoader's and the loop's iterators each walk them."""
+        ids = self._blocks.get(s)
+        if ids is None:
+            ids = self._blocks[s] = self.order[slice(s, s + self.BLOCK * self.global_batch)]
+            if len(self._blocks) > 2:  # the DataLoader's prefetch runs less than a block ahead (else one is worked out again)
+                self._blocks.pop(next(iter(self._blocks)))
+        return ids
 
     def __iter__(self) -> Iterator[list[int]]:
         s, lo = self.start, self.rank * self.batch_size
         while True:
-            ids = self._recent.pop(s, None)  # the DataLoader's and the loop's iterators each walk it: computed once
-            if ids is None:
-                ids = self._recent[s] = self.order[slice(s + lo, s + lo + self.batch_size)].tolist()
-                if len(self._recent) > 64:  # the DataLoader's prefetch runs this far ahead at most
-                    self._recent.pop(next(iter(self._recent)))
-            yield ids
-            s += self.global_batch
+            block = self._block(s)
+            for b in range(self.BLOCK):
+                first = b * self.global_batch + lo
+                yield block[first : first + self.batch_size].tolist()
+            s += self.BLOCK * self.global_batch
 
 
 class MixtureLoader:

@@ -280,29 +280,27 @@ class PackedDataset(torch.utils.data.Dataset):
     def __getitems__(self, ids: list[int]) -> torch.Tensor | dict[str, torch.Tensor]:
         """A batch as one tensor, or a dict of them (the DataLoader calls this instead of `__getitem__` per sample)."""
         ids = _sample_ids(ids, len(self))
+        shards = np.searchsorted(self._starts, ids, side="right") - 1
+        offsets = (ids - self._starts[shards]).tolist()
         batch = self.new_batch(len(ids))
-        self.read_into(ids, batch, range(len(ids)))
+        for name, out in batch.items():
+            for j, (shard, offset) in enumerate(zip(shards.tolist(), offsets, strict=True)):
+                out[j] = self._rows(shard, name)[offset]
         return self.as_batch(batch)
 
-    # A batch drawn from several datasets alike (a mixture's sources) is filled in place: new_batch, read_into each
-    # dataset's rows, as_batch.
+    # A mixture (infra.data.mixture) reads its sources' shards through one table of them, into one batch.
     def new_batch(self, n: int) -> dict[str, np.ndarray]:
         """`n` unfilled rows of each field, in the dtype a batch has (integers widened to int64, bytes kept)."""
         wide = lambda dtype: np.int64 if dtype.kind in "iu" and dtype != np.uint8 else dtype  # noqa: E731
         return {name: np.empty((n, *shape), dtype=wide(dtype)) for name, (dtype, shape) in self._layout.items()}
 
-    def read_into(self, ids: np.ndarray, batch: dict[str, np.ndarray], rows) -> None:
-        """Samples `ids` (checked) into rows `rows` of `batch`."""
-        shards = np.searchsorted(self._starts, ids, side="right") - 1
-        offsets = (ids - self._starts[shards]).tolist()
-        shards = shards.tolist()
-        for name, out in batch.items():
-            for j, shard, offset in zip(rows, shards, offsets, strict=True):
-                out[j] = self._rows(shard, name)[offset]
-
     def as_batch(self, batch: dict[str, np.ndarray]) -> torch.Tensor | dict[str, torch.Tensor]:
         tensors = {name: torch.from_numpy(out) for name, out in batch.items()}
         return tensors["input_ids"] if self._tokens_only else tensors
+
+    def shard_table(self) -> list[tuple[int, Callable[[str], np.ndarray], int]]:
+        """Per shard: its first sample, what gives its rows of a field, and the row of that first sample."""
+        return [(int(start), partial(self._rows, shard), 0) for shard, start in enumerate(self._starts[:-1])]
 
     def __getstate__(self):  # workers reopen their own maps
         state = self.__dict__.copy()
@@ -349,11 +347,16 @@ class SampleRange(torch.utils.data.Dataset):
     def new_batch(self, n: int) -> dict[str, np.ndarray]:
         return self.parent.new_batch(n)
 
-    def read_into(self, ids: np.ndarray, batch: dict[str, np.ndarray], rows) -> None:
-        self.parent.read_into(_sample_ids(ids, len(self)) + self.start, batch, rows)
-
     def as_batch(self, batch: dict[str, np.ndarray]) -> torch.Tensor | dict[str, torch.Tensor]:
         return self.parent.as_batch(batch)
+
+    def shard_table(self) -> list[tuple[int, Callable[[str], np.ndarray], int]]:
+        """The parent's shard table, cut to the range and renumbered from 0."""
+        return [
+            (max(first - self.start, 0), rows, max(self.start - first, 0))
+            for (first, rows, _), end in zip(self.parent.shard_table(), self.parent._starts[1:], strict=True)
+            if end > self.start and first < self.stop
+        ]
 
 
 def _first(batch):
