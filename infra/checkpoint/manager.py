@@ -62,6 +62,11 @@ PREFIX = "step_"
 CORRUPT = "corrupt"
 
 
+def step_of(checkpoint: Path) -> int:
+    """The step of a committed checkpoint folder (`step_00000100` -> 100)."""
+    return int(checkpoint.name[len(PREFIX) :])
+
+
 @dataclass
 class CheckpointConfig:
     """Checkpoint flags (part of TrainingArguments); when to save is SaveClockConfig's, what to keep RetentionConfig's."""
@@ -148,7 +153,7 @@ class CheckpointManager:
     def checkpoints(self) -> list[Path]:
         """Committed checkpoint folders, oldest first."""
         found = [p for p in self.root.glob(f"{PREFIX}*") if p.is_dir() and p.name[len(PREFIX) :].isdigit()]
-        return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
+        return sorted(found, key=step_of)
 
     def resume(self, resume_from_checkpoint: str, checksums: bool = True) -> tuple[Path | None, dict[str, Any]]:
         """Load the checkpoint to resume from; returns it and its manifest, or (None, {}) to start fresh.
@@ -193,7 +198,7 @@ class CheckpointManager:
     def _download_newer(self, checksums: bool) -> None:
         """On rank 0: the newest remote checkpoint newer than every local one, downloaded and verified; one that does
         not verify is reported and the one before it tried."""
-        local = [int(p.name[len(PREFIX) :]) for p in self.checkpoints()]
+        local = [step_of(p) for p in self.checkpoints()]
         for step in reversed(self.remote.steps()):
             if local and step <= max(local):
                 return
@@ -349,7 +354,7 @@ class CheckpointManager:
         start = time.monotonic()
         try:
             sent = self.remote.upload(final)
-            self.remote.prune({int(p.name[len(PREFIX) :]) for p in self.checkpoints()})
+            self.remote.prune({step_of(p) for p in self.checkpoints()})
         except Exception as err:  # the run goes on: the next checkpoint is uploaded as usual
             print(f"warning: uploading {final.name} to {self.remote.url} failed ({err}); the local checkpoint is intact", flush=True)
             return
@@ -410,7 +415,7 @@ class CheckpointManager:
 
     def prune(self) -> None:
         """Delete what the retention policy does not keep."""
-        kept = self.retention.keep([(int(p.name[len(PREFIX) :]), p) for p in self.checkpoints()], read_manifest)
+        kept = self.retention.keep([(step_of(p), p) for p in self.checkpoints()], read_manifest)
         for old in self.checkpoints():
             if old not in kept:
                 shutil.rmtree(old, ignore_errors=True)

@@ -25,7 +25,7 @@ import torch
 
 from infra.data.errors import DataError
 from infra.data.loader import EpochOrder, _collate
-from infra.data.shards import SampleRange
+from infra.data.shards import SampleRange, read_rows
 
 RESOLUTION = 10_000  # the weights as integers summing to at most this (one period of the order)
 
@@ -209,11 +209,8 @@ class MixtureDataset(torch.utils.data.Dataset):
         if len(ids) and (ids.min() < 0 or ids.max() >= len(self)):
             raise IndexError(f"sample ids {ids.min()}..{ids.max()} outside [0, {len(self)})")
         shard = np.searchsorted(self._firsts, ids, side="right") - 1
-        offsets = (self._row0[shard] + ids - self._firsts[shard]).tolist()
         batch = self.parts[0].new_batch(len(ids))
-        for name, out in batch.items():
-            for j, (k, offset) in enumerate(zip(shard.tolist(), offsets, strict=True)):
-                out[j] = self._rows[k](name)[offset]
+        read_rows(batch, lambda k, name: self._rows[k](name), shard, self._row0[shard] + ids - self._firsts[shard])
         return self.parts[0].as_batch(batch)
 
 

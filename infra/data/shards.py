@@ -281,11 +281,8 @@ class PackedDataset(torch.utils.data.Dataset):
         """A batch as one tensor, or a dict of them (the DataLoader calls this instead of `__getitem__` per sample)."""
         ids = _sample_ids(ids, len(self))
         shards = np.searchsorted(self._starts, ids, side="right") - 1
-        offsets = (ids - self._starts[shards]).tolist()
         batch = self.new_batch(len(ids))
-        for name, out in batch.items():
-            for j, (shard, offset) in enumerate(zip(shards.tolist(), offsets, strict=True)):
-                out[j] = self._rows(shard, name)[offset]
+        read_rows(batch, self._rows, shards, ids - self._starts[shards])
         return self.as_batch(batch)
 
     # A mixture (infra.data.mixture) reads its sources' shards through one table of them, into one batch.
@@ -357,6 +354,14 @@ class SampleRange(torch.utils.data.Dataset):
             for (first, rows, _), end in zip(self.parent.shard_table(), self.parent._starts[1:], strict=True)
             if end > self.start and first < self.stop
         ]
+
+
+def read_rows(batch: dict[str, np.ndarray], rows: Callable[[int, str], np.ndarray], shards: np.ndarray, offsets: np.ndarray) -> None:
+    """Fill `batch`: its row j of each field is row `offsets[j]` of shard `shards[j]` (`rows(shard, field)`)."""
+    pairs = list(zip(shards.tolist(), offsets.tolist(), strict=True))
+    for name, out in batch.items():
+        for j, (shard, offset) in enumerate(pairs):
+            out[j] = rows(shard, name)[offset]
 
 
 def _first(batch):
