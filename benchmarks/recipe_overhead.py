@@ -51,7 +51,7 @@ def bare_loop(data_dir: str, steps: int, batch_size: int) -> list[float]:
     dataset = PackedDataset(data_dir)
     model_args = ModelArguments(**{k: cfg[k] for k in ModelArguments.__dataclass_fields__ if k in cfg})
     model = build_model(model_args, AutoTokenizer.from_pretrained(dataset.tokenizer_dir), dataset.seq_len)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=float(cfg["learning_rate"]))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=float(cfg["learning_rate"]), fused=True)  # as the recipe (infra.optim)
     # PackedDataset.__getitems__ hands the DataLoader a finished batch tensor: nothing to collate
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, collate_fn=lambda batch: batch)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)

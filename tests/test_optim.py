@@ -1,11 +1,12 @@
-"""The learning-rate schedules: their shapes, and a resumed schedule that gives the straight run's rates."""
+"""The optimizer's groups, and the learning-rate schedules: their shapes, and a resumed schedule that gives the straight
+run's rates."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from infra.optim import OptimizerConfig, build_scheduler
+from infra.optim import OptimizerConfig, build_optimizer, build_scheduler
 
 STEPS = 20
 
@@ -54,3 +55,16 @@ def test_warmup_must_end_before_the_decay_of_warmup_stable_decay():
 
     with pytest.raises(ConfigError, match="warmup_steps=18 is not valid: expected at most max_steps - decay steps = 15"):
         TrainingArguments(max_steps=20, warmup_steps=18, lr_scheduler_type="warmup_stable_decay", decay_ratio=0.25)
+
+
+def test_weight_matrices_are_decayed_by_their_shape_even_as_zero3_partitions():
+    """ZeRO-3's zero.Init leaves each parameter an empty 1-d partition with its shape in `ds_shape`: a matrix still
+    decays, a norm does not; and the fused AdamW where torch has one (CPU)."""
+    model = torch.nn.Module()
+    model.matrix, model.norm, model.partitioned = (torch.nn.Parameter(torch.ones(s)) for s in ((2, 3), (3,), (0,)))
+    model.partitioned.ds_shape = torch.Size((4, 4))
+    optimizer = build_optimizer(model, OptimizerConfig(learning_rate=1e-3, weight_decay=0.1))
+    decay, no_decay = optimizer.param_groups
+    assert [p.shape for p in decay["params"]] == [(2, 3), (0,)] and decay["weight_decay"] == 0.1
+    assert [p.shape for p in no_decay["params"]] == [(3,)] and no_decay["weight_decay"] == 0.0
+    assert optimizer.defaults["fused"]
