@@ -81,53 +81,57 @@ class Faults(Hooks):
     def on_state(self, event: str, step: int, model: torch.nn.Module, optimizer) -> None:
         if not self.grads_dir:
             return
-        moments = full_moments(model, optimizer)
+        state = full_state(model, optimizer)
+        groups = [{key: group[key] for key in HYPERPARAMETERS} for group in optimizer.param_groups]
         if self.rank == 0:
             world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-            torch.save(moments, Path(self.grads_dir) / f"{event}_{step}_ws{world}.pt")
+            torch.save({"state": state, "groups": groups}, Path(self.grads_dir) / f"{event}_{step}_ws{world}.pt")
 
 
-def full_moments(model: torch.nn.Module, optimizer) -> dict[str, dict[str, torch.Tensor]]:
-    """Each parameter's Adam moments, whole, under any engine (a collective under ZeRO and FSDP: every rank calls it)."""
+HYPERPARAMETERS = ("lr", "weight_decay", "betas", "eps")  # each optimizer parameter group's, dumped by on_state
+
+
+def full_state(model: torch.nn.Module, optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """Each parameter's fp32 weights and Adam moments, whole, under any engine (a collective under ZeRO and FSDP: every
+    rank calls it)."""
     from torch.distributed.tensor import DTensor
 
     if hasattr(model, "zero_optimization_stage") and model.zero_optimization_stage() in (1, 2):
-        return zero12_moments(model)
+        return zero12_state(model)
     inner = getattr(model, "module", model)
     out = {}
     for name, p in inner.named_parameters():
         out[name] = {}
-        for key in MOMENTS:
+        for key in STATE:
             if hasattr(model, "zero_optimization_stage"):  # ZeRO-3
-                from deepspeed.utils import safe_get_full_optimizer_state
+                from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-                value = safe_get_full_optimizer_state(p, key)
+                value = safe_get_full_fp32_param(p) if key == "fp32" else safe_get_full_optimizer_state(p, key)
             else:
-                value = optimizer.optimizer.state[p][key]
+                value = p if key == "fp32" else optimizer.optimizer.state[p][key]
                 value = value.full_tensor() if isinstance(value, DTensor) else value
             out[name][key] = value.detach().float().cpu().clone()
     return out
 
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
+STATE = ("fp32", "exp_avg", "exp_avg_sq")
 
 
-def zero12_moments(engine) -> dict[str, dict[str, torch.Tensor]]:
+def zero12_state(engine) -> dict[str, dict[str, torch.Tensor]]:
     """ZeRO-1/2: each rank's fragment of each parameter (its place in the rank's flat partition, from the optimizer's
     `param_slice_mappings`), gathered and put end to end in rank order."""
     sd = engine.optimizer.state_dict()
     mine = {}
     for group, mapping in enumerate(sd["param_slice_mappings"]):
-        state = sd["base_optimizer_state"]["state"][group]
+        state = {**sd["base_optimizer_state"]["state"][group], "fp32": sd["single_partition_of_fp32_groups"][group]}
         for name, fragment in mapping.items():
-            mine[name] = {key: state[key].narrow(0, fragment.start, fragment.numel).float().cpu() for key in MOMENTS}
+            mine[name] = {key: state[key].narrow(0, fragment.start, fragment.numel).float().cpu() for key in STATE}
     ranks = [None] * torch.distributed.get_world_size() if torch.distributed.is_initialized() else [mine]
     if torch.distributed.is_initialized():
         torch.distributed.all_gather_object(ranks, mine)
     shapes = {name: p.shape for name, p in engine.module.named_parameters()}
     return {
-        name: {key: torch.cat([r[name][key] for r in ranks if name in r]).reshape(shape) for key in MOMENTS}
-        for name, shape in shapes.items()
+        name: {key: torch.cat([r[name][key] for r in ranks if name in r]).reshape(shape) for key in STATE} for name, shape in shapes.items()
     }
 
 

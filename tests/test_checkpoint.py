@@ -16,6 +16,7 @@ import pytest
 import torch
 import xxhash
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -299,13 +300,14 @@ def test_the_preemption_watchdog_ends_a_process_that_does_not_exit(tmp_path):
     assert proc.returncode == 1 and "no clean exit within preemption_grace_seconds=0.5" in proc.stdout  # not 0 after the sleep
 
 
-def test_a_zero_checkpoint_is_refused_by_another_engine(accelerator, trainer, tmp_path):
-    """Another world size or ZeRO stage is converted (tests/test_elastic.py); another engine is refused."""
+def test_a_zero_checkpoint_is_refused_by_fsdp(accelerator, trainer, tmp_path, monkeypatch):
+    """Another world size, ZeRO stage or DDP is converted (tests/test_elastic.py); FSDP is refused, in one line."""
     _, state, step = trainer
     checkpoints = manager(accelerator, tmp_path)
     step()
     checkpoints.save(state.step, {"distributed_type": "DEEPSPEED", "world_size": 8})  # as 8 ZeRO ranks would write it
-    with pytest.raises(CheckpointError, match=r"written by 8 DEEPSPEED processes and this run is 1 NO: a ZeRO checkpoint resumes"):
+    monkeypatch.setattr(accelerator.state, "distributed_type", DistributedType.FSDP)
+    with pytest.raises(CheckpointError, match=r"written by 8 DEEPSPEED processes and this run is 1 FSDP: a ZeRO checkpoint resumes"):
         checkpoints.resume("auto")
     assert checkpoints.path(1).exists()  # refused, not thrown away
 
@@ -399,11 +401,14 @@ def test_a_zero_checkpoint_is_converted_once_and_a_failed_conversion_leaves_noth
     atomic_write_text(checkpoint / "manifest.json", json.dumps({"step": 4, "files": {}}))
     runs = []
 
-    def ds_to_universal(command, **kw):  # writes what DeepSpeed's tool writes: the per-parameter folders
+    def ds_to_universal(command, **kw):  # writes what DeepSpeed's tool writes from stage 2: the per-parameter folders
         runs.append(command)
         out = Path(command[command.index("--output_folder") + 1])
         (out / "zero" / "w").mkdir(parents=True)
         (out / "zero" / "w" / "exp_avg.pt").write_bytes(b"moments")
+        torch.save(torch.tensor(4.0), out / "zero" / "w" / "step.pt")
+        torch.save({"param_groups": [{"lr": 0.1, "params": [0]}]}, out / "zero" / "optimizer_state.pt")
+        torch.save({"ds_version": "0"}, out / "mp_rank_00_model_states.pt")
         return subprocess.CompletedProcess(command, 0, stdout="")
 
     monkeypatch.setattr(reshard.subprocess, "run", ds_to_universal)
@@ -411,7 +416,11 @@ def test_a_zero_checkpoint_is_converted_once_and_a_failed_conversion_leaves_noth
     assert made == tmp_path / "step_00000004.universal" and len(runs) == 1
     manifest = read_manifest(made)
     assert manifest["step"] == 4 and manifest["converted_from"] == checkpoint.name
-    assert set(manifest["files"]) == {"scheduler.bin", "pytorch_model/zero/w/exp_avg.pt"} and problem(made) is None
+    names = {"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero/optimizer_state.pt"}
+    names |= {"zero/w/exp_avg.pt", "zero/w/step.pt"}
+    assert set(manifest["files"]) == {"scheduler.bin", *(f"pytorch_model/{name}" for name in names)} and problem(made) is None
+    stage3 = torch.load(made / "pytorch_model" / "zero" / "optimizer_state.pt")["optimizer_state_dict"]  # what it reads
+    assert stage3 == {"state": {0: {"step": torch.tensor(4.0)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
     assert reshard.to_universal(checkpoint) == made and len(runs) == 1  # whole: reused
     (made / "pytorch_model" / "zero" / "w" / "exp_avg.pt").write_bytes(b"MOMENTS")  # same size, altered
     assert reshard.to_universal(checkpoint) == made and len(runs) == 2 and problem(made) is None
@@ -453,7 +462,7 @@ def test_the_exporter_refuses_bad_input_in_one_line(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004"]
 
 
-def test_a_zero_checkpoint_is_converted_for_another_world_size_and_refused_for_another_stage(tmp_path):
+def test_a_checkpoint_is_converted_for_another_world_size_stage_or_engine_and_refused_for_another_precision(tmp_path):
     """What a DeepSpeed run decides about a ZeRO checkpoint, from its manifest (real launches: tests/test_elastic.py)."""
     from types import SimpleNamespace
 
@@ -468,13 +477,15 @@ def test_a_zero_checkpoint_is_converted_for_another_world_size_and_refused_for_a
     checkpoints = CheckpointManager(run, tmp_path, {})
     written = {"distributed_type": "DEEPSPEED", "mixed_precision": "bf16", "files": {}}
     for facts, converted, refused in [
-        ({"world_size": 2, "zero_stage": 3}, False, None),
-        ({"world_size": 4, "zero_stage": 3}, True, None),
-        ({"world_size": 2, "zero_stage": 2}, False, "written under ZeRO stage 2 and this run is stage 3"),
+        ({"world_size": 2, "zero_stage": 3}, None, None),
+        ({"world_size": 4, "zero_stage": 3}, "universal", None),
+        ({"world_size": 2, "zero_stage": 2}, "universal", None),
+        ({"world_size": 2, "distributed_type": "MULTI_CPU"}, "from DDP", None),
+        ({"world_size": 2, "zero_stage": 3, "mixed_precision": "fp16"}, None, "mixed precision fp16 and this run is bf16"),
     ]:
         path = tmp_path / "step_00000001"
         path.mkdir(exist_ok=True)
         atomic_write_text(path / "manifest.json", json.dumps({**written, **facts}))
-        assert checkpoints._needs_universal(path) == converted
+        assert checkpoints._conversion(path) == converted
         why = checkpoints._incompatibility(path)
         assert why is None if refused is None else refused in why

@@ -1,5 +1,6 @@
-"""Sharded engines on another number of processes: a ZeRO checkpoint converted once to DeepSpeed's universal format,
-an FSDP2 one resharded by torch's distributed checkpoint; the data order, the optimizer state and the loss carry over."""
+"""Checkpoints on another number of processes, ZeRO stage or engine: a ZeRO checkpoint converted once to DeepSpeed's
+universal format (and from it to DDP's files, or from DDP's to it), an FSDP2 one resharded by torch's distributed
+checkpoint; the data order, the weights, the optimizer state and the loss carry over."""
 
 from __future__ import annotations
 
@@ -9,14 +10,17 @@ import pytest
 import torch
 
 from infra.distributed import FSDP_ON_CPU_ENV
-from infra.testing import GRADS_ENV
+from infra.testing import GRADS_ENV, STATE
 from tests.conftest import launch
 from tests.test_pretrain import ACCUMULATION, MICRO_BATCH, global_order, recipe_args, trace
 
 pytestmark = pytest.mark.multiprocess
 
 N = 4  # steps per launch
-LOSS_TOLERANCE = 2e-3  # relative, per logged step, bf16: the ranks' sums add in another order (ZeRO-2: 2.6e-4 seen)
+# relative, per logged step, bf16: a run on other ranks (or another ZeRO stage) adds its sums in another order, and at
+# this learning rate the curves drift apart: uninterrupted ZeRO-3 and ZeRO-2 runs from one seed differed by up to 3.5e-3
+# in 12 steps here, ZeRO-3 2 -> 1 -> 2 by 2.7e-3. The state at each change is compared exactly; this catches a jump.
+LOSS_TOLERANCE = 6e-3
 
 
 def losses(tmp_path: Path) -> dict[int, float]:
@@ -40,19 +44,23 @@ def consumed(out: Path, world_size: int, after: int, through: int) -> list[int]:
         pytest.param([("zero2.yaml", 2), ("zero2.yaml", 1), ("zero2.yaml", 2)], marks=pytest.mark.slow),
         pytest.param([("zero3.yaml", 2), ("zero3.yaml", 1), ("zero3.yaml", 2)], marks=pytest.mark.slow),
         pytest.param([("fsdp.yaml", 2), ("fsdp.yaml", 1), ("fsdp.yaml", 2)], marks=pytest.mark.slow),
+        pytest.param([("zero2.yaml", 2), ("zero3.yaml", 1), ("zero2.yaml", 2)], marks=pytest.mark.slow),  # stages too
+        pytest.param([("cpu.yaml", 2), ("zero2.yaml", 1), ("cpu.yaml", 2)], marks=pytest.mark.slow),  # DDP <-> ZeRO
+        pytest.param([("cpu.yaml", 2), ("zero3.yaml", 2), ("cpu.yaml", 1)], marks=pytest.mark.slow),
     ],
     ids=lambda phases: "-to-".join(f"{config.removesuffix('.yaml')}x{world}" for config, world in phases),
 )
-def test_a_sharded_checkpoint_resumes_on_another_world_size(phases, small_data, tmp_path):
+def test_a_checkpoint_resumes_on_another_world_size_stage_or_engine(phases, small_data, tmp_path):
     """N steps per (engine, world size) phase, the same global batch (the accumulation doubled on one process): every
-    sample once in the order of one process, the Adam moments of every parameter loaded as they were saved (gathered
-    whole), and the loss within LOSS_TOLERANCE of an uninterrupted run of the first phase's engine on 2 processes."""
+    sample once in the order of one process, the fp32 weights and Adam moments of every parameter and each parameter
+    group's hyperparameters loaded as they were saved (gathered whole), and the loss within LOSS_TOLERANCE of an
+    uninterrupted run of the first phase's engine on 2 processes."""
     extra = ("--save_steps", str(N), "--logging_steps", "1", "--mixed_precision", "bf16")
     straight, changed = tmp_path / "straight", tmp_path / "changed"
     env = {FSDP_ON_CPU_ENV: "1"}
     first = phases[0][0]
     assert launch(first, recipe_args(small_data, straight / "out", len(phases) * N, *extra), straight, env=env).returncode == 0
-    dumps = changed / "moments"
+    dumps = changed / "state"
     dumps.mkdir(parents=True)
     worlds = [world for _, world in phases]
     for k, (config, world) in enumerate(phases):
@@ -62,12 +70,17 @@ def test_a_sharded_checkpoint_resumes_on_another_world_size(phases, small_data, 
         assert proc.returncode == 0
         if k:
             assert f"world size {world}" in proc.stdout and f"resumed at step {k * N}" in proc.stdout
-            assert ("to a universal checkpoint" in proc.stdout) == config.startswith("zero")
+            engines = {config, phases[k - 1][0]}
+            assert ("to a universal checkpoint" in proc.stdout) == any(c.startswith("zero") for c in engines)
+            assert ("to a DDP checkpoint" in proc.stdout) == (config == "cpu.yaml" != phases[k - 1][0])
             saved = torch.load(dumps / f"saved_{k * N}_ws{worlds[k - 1]}.pt")
             loaded = torch.load(dumps / f"resumed_{k * N}_ws{world}.pt")
+            # each group's (decay on matrices, none on norms: ZeRO-3's own universal load gives all the first one's)
+            assert saved["groups"] == loaded["groups"] and [g["weight_decay"] for g in saved["groups"]] == [0.1, 0.0]
+            saved, loaded = saved["state"], loaded["state"]
             assert saved.keys() == loaded.keys() and saved
             for name in saved:
-                for key in ("exp_avg", "exp_avg_sq"):
+                for key in STATE:
                     assert torch.equal(saved[name][key], loaded[name][key]), f"{name} {key} not carried over"
 
     out = changed / "out"

@@ -6,7 +6,8 @@
 - `retention`: which checkpoints are kept (and how many, for the disk preflight);
 - `clock`: when a save is due (steps, minutes, Young/Daly);
 - `trainable`: a model with frozen parameters (LoRA) saves and loads the others only;
-- `reshard`: a ZeRO checkpoint from another world size, converted once to DeepSpeed's universal format;
+- `reshard`: a ZeRO checkpoint from another world size or stage, converted once to DeepSpeed's universal format;
+- `engines`: a DDP checkpoint resumed under ZeRO and the reverse, through the same per-parameter format;
 - `remote`: checkpoints uploaded to object storage, and downloaded on resume;
 - `weights`: a checkpoint's model weights, whole, whatever engine wrote them (for `python -m infra.export`).
 """

@@ -32,6 +32,7 @@ from typing import Any
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list
 
+from infra.checkpoint.engines import ddp_path, from_ddp, to_ddp
 from infra.checkpoint.integrity import (
     MANIFEST,
     CheckpointError,
@@ -177,13 +178,13 @@ class CheckpointManager:
             why = self._on_main(lambda path=path: problem(path, checksums=False))
             if why is None and (incompatible := self._on_main(lambda path=path: self._incompatibility(path))):
                 raise CheckpointError(f"cannot resume from {path}: {incompatible}")
-            universal = None
-            if why is None and self._on_main(lambda path=path: self._needs_universal(path)):
-                why, universal = self._converted(path, checksums)
+            converted, kind = None, None if why else self._on_main(lambda path=path: self._conversion(path))
+            if kind is not None:
+                why, converted = self._converted(path, checksums, kind)
             if why is None:
-                why = self._load_verified(universal or path, checksums, universal is not None)
-                if why is not None and universal is not None:  # the source verified: not a damaged checkpoint
-                    raise CheckpointError(f"cannot resume from {path}: its universal conversion {universal.name} did not load ({why})")
+                why = self._load_verified(converted or path, checksums, kind in ("universal", "from DDP"))
+                if why is not None and converted is not None:  # the source verified: not a damaged checkpoint
+                    raise CheckpointError(f"cannot resume from {path}: its conversion {converted.name} did not load ({why})")
             if why is None:
                 return path, read_manifest(path)
             if explicit:
@@ -248,46 +249,53 @@ class CheckpointManager:
         manifest = read_manifest(path)
         acc = self.accelerator
         was, now = manifest.get("distributed_type"), acc.distributed_type.value
-        if DistributedType.DEEPSPEED.value in (was, now) and was != now:
+        deepspeed, fsdp = DistributedType.DEEPSPEED.value, DistributedType.FSDP.value
+        if {was, now} == {deepspeed, fsdp}:
             return (
                 f"it was written by {manifest.get('world_size')} {was} processes and this run is {acc.num_processes} {now}: "
-                "a ZeRO checkpoint resumes under DeepSpeed only (on any number of processes), and another engine's only "
-                "without DeepSpeed, so resume with the engine that wrote it"
+                "a ZeRO checkpoint resumes under DeepSpeed or DDP, and an FSDP one under FSDP, so resume with one of those"
             )
-        if was == now == DistributedType.DEEPSPEED.value and manifest.get("zero_stage", zero_stage(acc)) != zero_stage(acc):
-            return (
-                f"it was written under ZeRO stage {manifest['zero_stage']} and this run is stage {zero_stage(acc)}: DeepSpeed's "
-                "universal loader expects the files of the stage that wrote them, so resume with that stage"
-            )
-        if was == DistributedType.DEEPSPEED.value and manifest.get("mixed_precision", acc.mixed_precision) != acc.mixed_precision:
+        if was == now == deepspeed and manifest.get("mixed_precision", acc.mixed_precision) != acc.mixed_precision:
             return (
                 f"it was written in mixed precision {manifest['mixed_precision']} and this run is {acc.mixed_precision}: DeepSpeed "
                 f"keeps its optimizer state per precision, so resume with --mixed_precision {manifest['mixed_precision']}"
             )
         return None
 
-    def _needs_universal(self, path: Path) -> bool:
-        """A ZeRO checkpoint written by another number of processes (reshard.py)."""
+    def _conversion(self, path: Path) -> str | None:
+        """What a checkpoint (of a compatible engine) needs before this run loads it: "universal" (a ZeRO one from another
+        world size or stage; reshard.py), "from DDP" or "to DDP" (between DDP and ZeRO; engines.py), or None."""
         manifest, acc = read_manifest(path), self.accelerator
-        deepspeed = manifest.get("distributed_type") == acc.distributed_type.value == DistributedType.DEEPSPEED.value
-        return deepspeed and manifest.get("world_size") != acc.num_processes
+        was, now = manifest.get("distributed_type"), acc.distributed_type.value
+        deepspeed = DistributedType.DEEPSPEED.value
+        if was == now == deepspeed:
+            stage = manifest.get("zero_stage", zero_stage(acc))
+            return "universal" if manifest.get("world_size") != acc.num_processes or stage != zero_stage(acc) else None
+        if now == deepspeed:
+            return "from DDP"
+        return "to DDP" if was == deepspeed else None
 
-    def _converted(self, path: Path, checksums: bool) -> tuple[str | None, Path | None]:
-        """(why `path` is unusable, None), or (None, its universal sibling): the source verified, then converted once, on
+    def _converted(self, path: Path, checksums: bool, kind: str) -> tuple[str | None, Path | None]:
+        """(why `path` is unusable, None), or (None, its converted sibling): the source verified, then converted once, on
         rank 0 while the others wait. A conversion that fails stops the run (the checkpoint itself may be fine)."""
+        make = {
+            "universal": to_universal,
+            "from DDP": lambda p: from_ddp(p, self.accelerator),
+            "to DDP": lambda p: to_ddp(p, self.accelerator),
+        }
 
         def convert() -> tuple[str | None, str | None, str | None]:
             if (bad := problem(path, checksums=checksums)) is not None:
                 return bad, None, None
             try:
-                return None, str(to_universal(path)), None
+                return None, str(make[kind](path)), None
             except CheckpointError as err:
                 return None, None, str(err)
 
-        why, universal, failed = self._on_main(convert)
+        why, converted, failed = self._on_main(convert)
         if failed:
             raise CheckpointError(failed)
-        return why, Path(universal) if universal else None
+        return why, Path(converted) if converted else None
 
     def save(self, step: int, manifest: dict[str, Any], background: bool = False) -> Path:
         """Save, commit (manifest last, then rename), then prune. Called on every rank.
@@ -419,4 +427,5 @@ class CheckpointManager:
         for old in self.checkpoints():
             if old not in kept:
                 shutil.rmtree(old, ignore_errors=True)
-                shutil.rmtree(universal_path(old), ignore_errors=True)
+                for sibling in (universal_path(old), ddp_path(old)):  # its conversions
+                    shutil.rmtree(sibling, ignore_errors=True)
