@@ -272,7 +272,7 @@ class CheckpointManager:
             stage = manifest.get("zero_stage", zero_stage(acc))
             return "universal" if manifest.get("world_size") != acc.num_processes or stage != zero_stage(acc) else None
         if now == deepspeed:
-            return "from DDP"
+            return "from DDP" if was not in (None, DistributedType.FSDP.value) else None  # None: written before the field
         return "to DDP" if was == deepspeed else None
 
     def _converted(self, path: Path, checksums: bool, kind: str) -> tuple[str | None, Path | None]:
