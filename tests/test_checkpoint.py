@@ -489,3 +489,21 @@ def test_a_checkpoint_is_converted_for_another_world_size_stage_or_engine_and_re
         assert checkpoints._conversion(path) == converted
         why = checkpoints._incompatibility(path)
         assert why is None if refused is None else refused in why
+
+
+def test_a_ddp_checkpoint_that_does_not_fit_the_zero_model_is_refused_and_leaves_nothing(accelerator, trainer, tmp_path):
+    """DDP -> ZeRO (infra.checkpoint.engines; real conversions: tests/test_elastic.py) numbers the optimizer's state by
+    the recipes' groups: a checkpoint of another model is refused in one line, no sibling left behind."""
+    from types import SimpleNamespace
+
+    from infra.checkpoint.engines import from_ddp
+
+    _, state, step = trainer
+    checkpoints = manager(accelerator, tmp_path)
+    step()
+    path = checkpoints.save(state.step, {"distributed_type": "MULTI_CPU", "world_size": 2})
+    other = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))  # 4 trainable tensors, not 2
+    run = SimpleNamespace(deepspeed_engine_wrapped=SimpleNamespace(engine=SimpleNamespace(module=other)))
+    with pytest.raises(CheckpointError, match=r"optimizer holds the state of 2 parameters and this model trains 4"):
+        from_ddp(path, run)
+    assert sorted(p.name for p in tmp_path.glob("checkpoints/*")) == [path.name]

@@ -25,7 +25,7 @@ from accelerate.utils import save
 from safetensors.torch import load_file
 
 from infra.checkpoint.integrity import CheckpointError, read_manifest
-from infra.checkpoint.reshard import MODEL_STATES, OPTIMIZER_STATE, ZERO_FOLDER, make_sibling, to_universal, universal_path
+from infra.checkpoint.reshard import MODEL_STATES, OPTIMIZER_STATE, ZERO_FOLDER, for_every_stage, make_sibling, to_universal, universal_path
 from infra.optim import parameter_groups
 
 DDP_SUFFIX = ".ddp"
@@ -48,8 +48,8 @@ def from_ddp(checkpoint: Path, accelerator: Accelerator) -> Path:
     manifest, model = read_manifest(checkpoint), accelerator.deepspeed_engine_wrapped.engine.module
 
     def convert(work: Path) -> None:
-        names = canonical_names(model)
-        named = {names.get(key.removeprefix("module."), key): value for key, value in load_file(checkpoint / WEIGHTS).items()}
+        aliases = canonical_names(model)
+        named = {aliases.get(key.removeprefix("module."), key): value for key, value in load_file(checkpoint / WEIGHTS).items()}
         optimizer = torch.load(checkpoint / OPTIMIZER, map_location="cpu", weights_only=True)
         names = [name for group in parameter_groups(model) for name, _ in group]
         if len(optimizer["state"]) != len(names):
@@ -65,24 +65,22 @@ def from_ddp(checkpoint: Path, accelerator: Accelerator) -> Path:
             for key in MOMENTS:
                 torch.save({"param": state[key].float()}, zero / name / f"{key}.pt")
             torch.save(state["step"], zero / name / "step.pt")
-        write_universal_globals(work / ZERO_FOLDER, optimizer["param_groups"], optimizer["state"][0]["step"], manifest)
+        write_universal_globals(work / ZERO_FOLDER, optimizer["param_groups"], manifest)
 
     what = "a universal checkpoint (from DDP's full state)"
     return make_sibling(checkpoint, universal_path(checkpoint), what, convert, {WEIGHTS, OPTIMIZER})
 
 
-def write_universal_globals(folder: Path, groups: list[dict], step: torch.Tensor, manifest: dict) -> None:
-    """What DeepSpeed's universal loader reads besides the parameters, in the layout of every stage (reshard.py): the
-    optimizer's groups and step, and the engine's counters."""
+def write_universal_globals(folder: Path, groups: list[dict], manifest: dict) -> None:
+    """What DeepSpeed's universal loader reads besides the parameters, as ds_to_universal writes it from a stage-1/2
+    checkpoint (the optimizer's groups, the engine's counters), then completed for every stage (reshard.py)."""
     import deepspeed
 
-    optimizer = {"param_groups": groups, "ds_version": deepspeed.__version__}
-    optimizer["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": groups}
-    torch.save(optimizer, folder / OPTIMIZER_STATE)
+    torch.save({"param_groups": groups, "ds_version": deepspeed.__version__}, folder / OPTIMIZER_STATE)
     counters = {"dp_world_size": manifest.get("world_size", 1), "mp_world_size": 1, "global_steps": manifest["step"]}
     counters |= {"skipped_steps": 0, "lr_scheduler": None, "module": {}, "ds_version": deepspeed.__version__}
     torch.save(counters, folder / MODEL_STATES[0])
-    (folder / MODEL_STATES[1]).hardlink_to(folder / MODEL_STATES[0])
+    for_every_stage(folder)
 
 
 def to_ddp(checkpoint: Path, accelerator: Accelerator) -> Path:

@@ -16,7 +16,8 @@ as it is; the manifest (step, data cursor, counters) too, plus where it came fro
 The same conversion serves a change of ZeRO stage. ds_to_universal writes the files that the source's stage reads;
 DeepSpeed's universal loader takes the weights and Adam moments from the per-parameter files, and from the rest only
 counters and the optimizer's global state, which stage 3 looks for under other names and keys than stages 1 and 2.
-`_for_every_stage` adds those (a hard link, a few small files), so one sibling loads under any stage.
+`for_every_stage` adds those (a hard link, small files), so one sibling loads under any stage. From a stage-3 source
+it also writes each parameter's tensors again in their shape (stage 3 writes them flat): one more pass over the state.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def to_universal(checkpoint: Path) -> Path:
         if done.returncode != 0:
             tail = done.stdout.strip().splitlines()[-1:] or ["no output"]
             raise CheckpointError(f"converting {checkpoint} to a universal checkpoint failed ({tail[0]})")
-        _for_every_stage(work / ZERO_FOLDER)
+        for_every_stage(work / ZERO_FOLDER)
 
     what = "a universal checkpoint (DeepSpeed's ds_to_universal)"
     return make_sibling(checkpoint, universal_path(checkpoint), what, convert, {ZERO_FOLDER, LATEST})
@@ -101,7 +102,7 @@ MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_s
 OPTIMIZER_STATE = Path("zero") / "optimizer_state.pt"
 
 
-def _for_every_stage(folder: Path) -> None:
+def for_every_stage(folder: Path) -> None:
     """Make a universal checkpoint `folder` loadable under ZeRO stages 1, 2 and 3, whichever wrote it: the counters'
     file under both stages' names, and the rest in the layout the other stages read (below)."""
     present = next(folder / name for name in MODEL_STATES if (folder / name).is_file())
@@ -110,20 +111,23 @@ def _for_every_stage(folder: Path) -> None:
             os.link(present, folder / name)
     state = torch.load(folder / OPTIMIZER_STATE, map_location="cpu", weights_only=False)
     params = [p for p in (folder / "zero").iterdir() if p.is_dir()]
-    if "optimizer_state_dict" in state:
-        _from_stage3(state, params, torch.load(present, map_location="cpu", weights_only=False))  # small: partitions
-    else:  # from stage 1 or 2: stage 3 reads the step and the groups here
+    if "optimizer_state_dict" in state:  # from stage 3
+        step = state["optimizer_state_dict"]["state"][0]["step"]
+        _from_stage3(state, params, step, torch.load(present, map_location="cpu", weights_only=False))  # small: partitions
+    else:  # from stage 1 or 2
         step = torch.load(params[0] / "step.pt", map_location="cpu", weights_only=False)
-        state["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": state["param_groups"]}
+    # what stage 3 reads here; stage 3's own file also holds rank 0's partition of the weights and moments, which a
+    # universal load does not read (and every rank would load)
+    state["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": state["param_groups"]}
+    state.pop("fp32_flat_groups", None)
     torch.save(state, folder / OPTIMIZER_STATE)
 
 
-def _from_stage3(state: dict, params: list[Path], model_states: dict) -> None:
+def _from_stage3(state: dict, params: list[Path], step, model_states: dict) -> None:
     """What stages 1 and 2 read and stage 3 does not write: the DeepSpeed version in the optimizer's state, each
     parameter's step, and its tensors in their shape (stage 3 writes them flat, and reads either)."""
     state.setdefault("ds_version", model_states["ds_version"])
     shapes = {name: shape for group in model_states["param_shapes"] for name, shape in group.items()}
-    step = state["optimizer_state_dict"]["state"][0]["step"]
     for param in params:
         torch.save(step, param / "step.pt")
         for key in ("fp32", "exp_avg", "exp_avg_sq"):
