@@ -482,6 +482,7 @@ def test_a_checkpoint_is_converted_for_another_world_size_stage_or_engine_and_re
         ({"world_size": 2, "zero_stage": 2}, "universal", None),
         ({"world_size": 2, "distributed_type": "MULTI_CPU"}, "from DDP", None),
         ({"world_size": 2, "zero_stage": 3, "mixed_precision": "fp16"}, None, "mixed precision fp16 and this run is bf16"),
+        ({"world_size": 2, "distributed_type": None}, "from DDP", "does not name the engine that wrote it"),
     ]:
         path = tmp_path / "step_00000001"
         path.mkdir(exist_ok=True)

@@ -250,6 +250,8 @@ class CheckpointManager:
         acc = self.accelerator
         was, now = manifest.get("distributed_type"), acc.distributed_type.value
         deepspeed, fsdp = DistributedType.DEEPSPEED.value, DistributedType.FSDP.value
+        if now == deepspeed and was is None:
+            return "its manifest does not name the engine that wrote it (an older version), so resume with that engine"
         if {was, now} == {deepspeed, fsdp}:
             return (
                 f"it was written by {manifest.get('world_size')} {was} processes and this run is {acc.num_processes} {now}: "
@@ -272,7 +274,7 @@ class CheckpointManager:
             stage = manifest.get("zero_stage", zero_stage(acc))
             return "universal" if manifest.get("world_size") != acc.num_processes or stage != zero_stage(acc) else None
         if now == deepspeed:
-            return "from DDP" if was not in (None, DistributedType.FSDP.value) else None  # None: written before the field
+            return "from DDP"  # an FSDP one, or one that does not name its engine, is refused (_incompatibility)
         return "to DDP" if was == deepspeed else None
 
     def _converted(self, path: Path, checksums: bool, kind: str) -> tuple[str | None, Path | None]:
