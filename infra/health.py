@@ -1,15 +1,13 @@
-"""Health checks around training: replicas in sync, stragglers, hangs (non-finite steps: infra.guard)."""
+"""Health checks around training: replicas in sync, stragglers (hangs and lost peers: infra.hangs; non-finite steps:
+infra.guard)."""
 
 from __future__ import annotations
 
 import contextlib
-import socket
-import threading
 import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Literal
 
 import torch
@@ -26,13 +24,14 @@ class HealthConfig:
     """Hang and straggler flags (part of TrainingArguments); non-finite steps are NonFiniteConfig's."""
 
     ddp_timeout: int = field(
-        default=1800, metadata={"help": "Seconds a collective may wait during start-up and the first step before the job fails."}
+        default=1800,
+        metadata={"help": "Seconds a collective may wait in start-up, the first step, saves, loads and evaluations before the job fails."},
     )
     ddp_step_timeout: int = field(
-        default=900,
+        default=0,
         metadata={
-            "help": "After the first step, seconds a collective may wait before the job fails naming the rank that is behind "
-            "(0: keep ddp_timeout). Must exceed the longest checkpoint save."
+            "help": "After the first step, seconds without a finished step before each rank stops, naming the host and rank that "
+            "is lost or silent (0: max(30, 5 x the slowest of the last 100 steps))."
         },
     )
     straggler_window_steps: int = field(
@@ -96,12 +95,11 @@ class StragglerDetector:
     every rank reaches it at the same step with no further communication.
     """
 
-    def __init__(self, accelerator: Accelerator, model: torch.nn.Module, window: int, factor: float, patience: int):
-        self.accelerator, self.window, self.factor, self.patience = accelerator, window, factor, patience
+    def __init__(self, accelerator: Accelerator, model: torch.nn.Module, hosts: list[str], window: int, factor: float, patience: int):
+        self.accelerator, self.hosts, self.window, self.factor, self.patience = accelerator, hosts, window, factor, patience
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             model.forward_sync_buffers = False
         self.cuda = accelerator.device.type == "cuda"
-        self.hosts = gather_object([socket.gethostname()]) if accelerator.num_processes > 1 else [socket.gethostname()]
         self.streak = [0] * accelerator.num_processes
         self._compute: list = []
         self._data = 0.0
@@ -158,106 +156,3 @@ class StragglerDetector:
                 )
             report = "straggler: " + "; ".join(parts)
         return {f"straggler/rank_{r}": ratio for r, ratio in enumerate(ratios)}, report, slow
-
-
-# ---------------------------------------------------------------------------------------------
-# Hangs
-
-
-class Heartbeat:
-    """Each rank's last finished step in the launcher's key-value store, so a timeout can name the rank that is stuck.
-
-    A collective that times out only says that it timed out; the store still answers, and the
-    rank whose step lags the others' is the one that hung or died. After the first step the
-    collective timeout drops from `start_timeout` to `step_timeout` (start-up is over: from now on
-    a long wait means a rank is gone), except inside `relaxed()` (checkpoint saves and loads). On
-    NCCL the watchdog aborts the process at the timeout before Python can explain it, so a thread
-    prints the diagnosis when no step has finished for 80% of the timeout.
-    """
-
-    KEY = "infra/heartbeat/{}"
-
-    def __init__(self, accelerator: Accelerator, start_timeout: float, step_timeout: float):
-        self.accelerator, self.start_timeout, self.step_timeout = accelerator, start_timeout, step_timeout
-        self.store = None
-        self.shortened = self._relaxed = self._reported = False
-        self._last = time.monotonic()
-        if accelerator.num_processes > 1:
-            from torch.distributed.distributed_c10d import _get_default_store
-
-            self.store = _get_default_store()
-            if step_timeout > 0:
-                threading.Thread(target=self._watch, name="heartbeat-watch", daemon=True).start()
-
-    def _set_timeout(self, seconds: float) -> None:
-        from torch.distributed.distributed_c10d import _set_pg_timeout
-
-        _set_pg_timeout(timedelta(seconds=seconds))
-
-    def beat(self, step: int) -> None:
-        """After each step; the first one also shortens the collective timeout."""
-        self._last = time.monotonic()
-        if self.store is None:
-            return
-        self.store.set(self.KEY.format(self.accelerator.process_index), str(step))
-        if not self.shortened and self.step_timeout > 0:
-            self._set_timeout(self.step_timeout)
-            self.shortened = True
-
-    @contextlib.contextmanager
-    def relaxed(self) -> Iterator[None]:
-        """The start-up timeout for work that may legitimately keep ranks waiting long (rank 0 checksumming a save)."""
-        if not self.shortened:
-            yield
-            return
-        self._relaxed = True
-        self._set_timeout(self.start_timeout)
-        try:
-            yield
-        finally:
-            self._set_timeout(self.step_timeout)
-            self._relaxed, self._last = False, time.monotonic()
-
-    def _watch(self) -> None:
-        while True:
-            time.sleep(min(30.0, self.step_timeout / 5))
-            idle = time.monotonic() - self._last
-            if self.shortened and not self._relaxed and not self._reported and idle > 0.8 * self.step_timeout:
-                self._reported = True
-                print(f"{self.diagnosis()} (no step finished here for {idle:.0f}s)", flush=True)
-
-    def diagnosis(self) -> str:
-        """Which ranks are behind, from the store."""
-        steps, timeout = {}, self.store.timeout
-        self.store.set_timeout(timedelta(seconds=5))  # a key never written must not keep us waiting
-        for rank in range(self.accelerator.num_processes):
-            try:
-                steps[rank] = int(self.store.get(self.KEY.format(rank)))
-            except Exception:
-                steps[rank] = -1  # never beat, or the store is gone too
-        with contextlib.suppress(Exception):
-            self.store.set_timeout(timeout)
-        ahead = max(steps.values())
-        behind = [r for r, s in steps.items() if s < ahead]
-        where = ", ".join(f"rank {r} at step {steps[r]}" if steps[r] >= 0 else f"rank {r} before its first step" for r in behind)
-        return f"hang: a collective on rank {self.accelerator.process_index} waited past the timeout; " + (
-            f"{where} while the others finished step {ahead}: that rank is hung or dead"
-            if behind
-            else "every rank had finished the same step"
-        )
-
-    @contextlib.contextmanager
-    def explaining(self) -> Iterator[None]:
-        """A collective that times out inside ends the program with one line naming the rank that hung."""
-        try:
-            yield
-        except Exception as err:
-            if (why := self.explain(err)) is not None:
-                raise SystemExit(why) from err
-            raise
-
-    def explain(self, error: BaseException) -> str | None:
-        """A one-line diagnosis when `error` is a collective timeout (None for other errors)."""
-        if self.store is None or not any(s in str(error).lower() for s in ("timed out", "timeout")):
-            return None
-        return self.diagnosis()

@@ -36,7 +36,7 @@ GRADS_ENV = "INFRA_TEST_DUMP_GRADS"
 class Faults(Hooks):
     def __init__(self, rank: int, spec: dict, pause_in_save: float = 0.0, grads_dir: str = ""):
         self.rank, self.grads_dir = rank, grads_dir
-        active = spec.get("rank", 1) == rank
+        active = spec.get("rank", 1) in (rank, "all")
         self.nan_batches = set(spec.get("nan_batches", [])) if active else set()
         self.slow_seconds = float(spec.get("slow_seconds", 0)) if active else 0.0
         self.hang_at_step = spec.get("hang_at_step") if active else None

@@ -14,7 +14,8 @@ and one exit. Each phase is a method and each concern a component built in the c
     guard        infra.guard         non-finite steps: skip, roll back, stop
     metrics      infra.metrics       what is logged every logging_steps
     exporter     infra.export        final/ and its model card
-    stragglers, heartbeat            infra.health
+    stragglers                       infra.health
+    watchdog                         infra.hangs       a lost peer or a hung step: one line, forensics, exit
 
 Every flag is in `TrainingArguments`, one flat command line and YAML, made of the sections those
 components declare beside themselves.
@@ -22,6 +23,7 @@ components declare beside themselves.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -52,7 +54,8 @@ from infra.distributed import LaunchError, ready_for_fsdp
 from infra.environment import environment_facts
 from infra.export import Exporter
 from infra.guard import NonFiniteConfig, NonFiniteGuard
-from infra.health import STRAGGLER_EXIT_CODE, HealthConfig, Heartbeat, StragglerDetector, check_replicas_in_sync
+from infra.hangs import Watchdog, log_forensics, roster
+from infra.health import STRAGGLER_EXIT_CODE, HealthConfig, StragglerDetector, check_replicas_in_sync
 from infra.levers import LeverConfig, checkpoint_activations, compile_blocks
 from infra.lock import claim
 from infra.lora import check_engine
@@ -190,7 +193,7 @@ class Hooks:
         return loss
 
     def on_step_end(self, step: int) -> None:
-        """After optimizer step `step`, before its heartbeat."""
+        """After optimizer step `step`, before the watchdog hears of it."""
 
     def before_commit(self, step: int) -> None:
         """Between a synchronous save_state and its commit."""
@@ -322,8 +325,11 @@ class Trainer:
         self.guard = NonFiniteGuard(acc, args, self.checkpoints, args.verify_checksums)
         sources = [s.name for s in job.data.mixture.sources] if job.data.mixture and job.per_sample_losses else []
         self.metrics = TrainMetrics(acc, job.unit, job.flops_per_unit, compiled=args.torch_compile, sources=sources)
-        self.stragglers = StragglerDetector(acc, self.model, args.straggler_window_steps, args.straggler_factor, args.straggler_patience)
-        self.heartbeat = Heartbeat(acc, args.ddp_timeout, args.ddp_step_timeout)
+        peers = roster(acc)
+        self.watchdog = Watchdog(acc, args.output_dir, args.ddp_timeout, args.ddp_step_timeout, peers)
+        hosts = [p.host for p in peers]
+        window, factor, patience = args.straggler_window_steps, args.straggler_factor, args.straggler_patience
+        self.stragglers = StragglerDetector(acc, self.model, hosts, window, factor, patience)
         # set by resume(): they depend on the checkpoint resumed from
         self.tracker: MetricLogger | None = None
         self.trace: SampleTrace | None = None
@@ -333,6 +339,7 @@ class Trainer:
         self.batches: Iterator[Batch] | None = None  # the loader's, from the resumed cursor
         self.eta: EtaCheck | None = None
         self.bar: tqdm | None = None
+        self.step_started = time.monotonic()
 
     def run(self) -> None:
         """Everything, on every rank: the steps of a run, and one exit."""
@@ -343,28 +350,28 @@ class Trainer:
             return
         self.resume(save_seconds)
         stop = None
-        with self.preemption.armed():
-            with self.heartbeat.explaining():
-                while state.step < args.max_steps and stop is None:
-                    result = self.step()
-                    self.after_step(result)
-                    if result.skipped and self.guard.must_act():
-                        self.roll_back()
-                        continue
-                    if state.step % args.logging_steps == 0 or state.step == args.max_steps:
-                        self.log(result)
-                    stop = self.stop_reason(result)
-                    if self.eval_due():
-                        self.evaluate()
-                    last = stop is not None or state.step == args.max_steps
-                    if last or (result.save_due and self.guard.clean):  # no scheduled save amid non-finite steps
-                        self.save(last=last)
+        with self.preemption.armed(), self.watchdog.explaining():
+            while state.step < args.max_steps and stop is None:
+                result = self.step()
+                self.after_step(result)
+                if result.skipped and self.guard.must_act():
+                    self.roll_back()
+                    continue
+                if state.step % args.logging_steps == 0 or state.step == args.max_steps:
+                    self.log(result)
+                stop = self.stop_reason(result)
+                if self.eval_due():
+                    self.evaluate()
+                last = stop is not None or state.step == args.max_steps
+                if last or (result.save_due and self.guard.clean):  # no scheduled save amid non-finite steps
+                    self.save(last=last)
             self.bar.close()
             if self.trace:
                 self.trace.close()
-            if stop is None:
-                self.export()
-            self.close(stop)
+            with self.watchdog.relaxed():
+                if stop is None:
+                    self.export()
+                self.close(stop)
 
     def preflight(self) -> float:
         """Devices, a collective, data, a checkpoint round trip, disk, MLflow: nothing trains if one fails. The seconds a save took."""
@@ -408,6 +415,9 @@ class Trainer:
                 tags={**run_tags(acc, self.job.name, state.step), **self.data_tags()},
                 restart=args.resume_from_checkpoint == "auto",
             )
+            if acc.is_main_process:
+                self.log_forensics()
+                self.watchdog.on_exit = lambda line: self.log_forensics()  # a surviving rank 0 logs its own at once
         # steps logged after the checkpoint and before a crash come again, identical: not twice in the run
         self.tracker = MetricLogger(self.run_id, f"{args.output_dir}/unsent_metrics.jsonl", logged_through=last_logged_step(self.run_id))
         acc.print(
@@ -422,6 +432,14 @@ class Trainer:
         self.bar = tqdm(total=args.max_steps, initial=state.step, desc="train", disable=not acc.is_local_main_process)
         self.model.train()
 
+    def log_forensics(self) -> None:
+        """Where each rank was when an earlier launch stopped for a lost peer (infra.hangs), as artifacts of the run."""
+        try:
+            if logged := log_forensics(self.run_id, self.args.output_dir):
+                self.accelerator.print(f"logged {logged} hang report(s) of an earlier launch to MLflow (artifacts hangs/)")
+        except Exception as err:  # tracking never stops training: they wait in OUTPUT_DIR/hangs for the next launch
+            self.accelerator.print(f"warning: hang reports not logged to MLflow ({type(err).__name__}: {err})")
+
     def data_tags(self) -> dict[str, str]:
         """MLflow tags of what the model reads: its attention kernel; a mixture's segments (weights, where each began)."""
         tags = {"attn_implementation": str(attention_of(self.job.model))}
@@ -433,8 +451,12 @@ class Trainer:
         """One optimizer step: its micro-batches fetched, their items counted on every rank, accumulation, clipping, the
         ranks' agreement, then the update unless a rank saw a non-finite value."""
         acc, args, state = self.accelerator, self.args, self.state
+        self.step_started = time.monotonic()
+        self.watchdog.entering("data")
         micro_batches = [self.fetch() for _ in range(args.gradient_accumulation_steps)]
+        self.watchdog.entering("the item count's all-reduce")
         items = self.count_items([batch for batch, _, _ in micro_batches])
+        self.watchdog.entering("forward and backward (the gradient all-reduce)")
         # each micro-batch's summed loss over this: DDP, ZeRO and FSDP average the ranks' gradients, and accelerate
         # divides each micro-batch's by the accumulation steps, so the sum of all is divided by `items` exactly once
         num_items_in_batch = items / (acc.num_processes * args.gradient_accumulation_steps)
@@ -454,6 +476,7 @@ class Trainer:
         if isinstance(grad_norm, DTensor):  # FSDP2's norm of sharded gradients
             grad_norm = grad_norm.full_tensor()
         self.hooks.before_optimizer_step(state.step + 1, self.model, grad_norm)
+        self.watchdog.entering("the step agreement's all-reduce")
         agreed = self.consensus.agree(state.step + 1, self.guard.flag(step_loss, grad_norm))
         steps = self.guard.record(agreed.nonfinite, state)
         if not agreed.nonfinite:
@@ -495,11 +518,11 @@ class Trainer:
         return items
 
     def after_step(self, result: StepResult) -> None:
-        """Progress, the test hooks, this rank's heartbeat, the pace after the first steps, a skipped step's count."""
+        """Progress, the test hooks, the watchdog, the pace after the first steps, a skipped step's count."""
         step = self.state.step
         self.bar.update()
         self.hooks.on_step_end(step)
-        self.heartbeat.beat(step)
+        self.watchdog.beat(step, time.monotonic() - self.step_started)
         if pace := self.eta.step(step):
             self.tracker.log(pace, step=step)
         if result.skipped:
@@ -508,7 +531,7 @@ class Trainer:
     def roll_back(self) -> None:
         """After max_bad_steps non-finite steps in a row: the guard reloads the newest checkpoint (or stops); the loop's
         window starts again from its step."""
-        manifest = self.guard.act(self.state, self.cursor, self.heartbeat.relaxed)
+        manifest = self.guard.act(self.state, self.cursor, self.watchdog.relaxed)
         self.latest = manifest.get("metrics", {})
         self.tracker.log({"health/rollbacks": self.state.rollbacks}, step=self.state.step)
         self.metrics.reset_loss()
@@ -554,7 +577,7 @@ class Trainer:
         acc = self.accelerator
         self.model.eval()
         held_out = self.job.data.held_out
-        with torch.no_grad():
+        with torch.no_grad(), self.watchdog.relaxed():
             scores = self.job.evaluate(acc, self.model, self.eval_batches(held_out))
             if isinstance(held_out, MixtureDataset):  # and each source's held-out samples alone: eval/loss/<name>, ...
                 for name, part in zip(held_out.names, held_out.parts, strict=True):
@@ -580,8 +603,14 @@ class Trainer:
         start = time.perf_counter()
         # a copy of the metrics: a background save writes its manifest later, while the loop goes on updating them
         facts = {**state.state_dict(), "cursor": self.cursor.state_dict(), "metrics": dict(self.latest), "mlflow_run_id": self.run_id}
-        with exit_on(CheckpointError, "checkpoint error"), self.heartbeat.relaxed():  # a long synchronous save is not a hang
-            self.checkpoints.save(state.step, {**facts, **self.facts}, background=args.async_save and not last)
+        try:
+            with self.watchdog.relaxed():  # a long synchronous save is not a hang
+                self.checkpoints.save(state.step, {**facts, **self.facts}, background=args.async_save and not last)
+        except CheckpointError as err:  # a full disk, say: the run stops rather than train on with nothing saved
+            if self.accelerator.is_main_process:
+                with contextlib.suppress(OSError):  # the disk may be too full even for the record
+                    write_stop_record(args.output_dir, state.step, {"reason": "save_failed", "error": str(err)})
+            raise SystemExit(f"checkpoint error: {err}") from None
         seconds = time.perf_counter() - start
         self.hooks.on_state("saved", state.step, self.model, self.optimizer)
         if (minutes := self.clock.saved(seconds)) is not None:
@@ -609,6 +638,7 @@ class Trainer:
                     f"straggler: saved step {state.step}; exiting with code {STRAGGLER_EXIT_CODE} so the job restarts without the slow rank"
                 )
         self.checkpoints.close()  # the last upload done
+        self.watchdog.stop()
         self.tracker.close()
         if stop is None and self.args.log_model:
             self.exporter.log_to_mlflow(self.args.register_model)

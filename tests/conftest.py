@@ -38,6 +38,18 @@ def small_data(tiny_data, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def straight(small_data, tmp_path_factory):
+    """One uninterrupted 2-process run of pretrain_clm (tests.test_pretrain's arguments, 2 x STEPS steps): what a resumed,
+    restarted or multi-host run of the same steps must equal."""
+    from tests.test_pretrain import STEPS, recipe_args
+
+    tmp = tmp_path_factory.mktemp("straight")
+    proc = launch("cpu.yaml", recipe_args(small_data, tmp / "out", 2 * STEPS), tmp)
+    assert proc.returncode == 0
+    return tmp, proc
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -144,7 +144,7 @@ FROZEN_SURFACE = {
         "on_bad_steps": "rollback",
         "max_rollbacks": 3,
         "ddp_timeout": 1800,
-        "ddp_step_timeout": 900,
+        "ddp_step_timeout": 0,
         "straggler_window_steps": 50,
         "straggler_factor": 1.5,
         "straggler_patience": 3,

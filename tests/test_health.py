@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -84,7 +87,11 @@ def test_a_hung_rank_fails_the_job_within_the_timeout_and_is_named(small_data, t
     proc = run(args, tmp_path, {"rank": 1, "hang_at_step": 3}, timeout=240)
     assert proc.returncode != 0
     assert time.monotonic() - start < 120
-    assert "hang: a collective on rank 0 waited past the timeout; rank 1 at step 2 while the others finished step 3" in proc.stderr
+    stuck = f"rank 1 on {socket.gethostname()} at step 2 while the others finished step 3: alive but stuck in its step"
+    assert "peer lost (hung step): rank " in proc.stderr and stuck in proc.stderr, proc.stderr[-3000:]
+    record = json.loads((tmp_path / "out" / "stopped.json").read_text())  # for the batch script
+    assert record["reason"] == "peer_lost" and record["lost"] == [{"rank": 1, "host": socket.gethostname()}]
+    assert len(list((tmp_path / "out" / "hangs").glob("step*_rank*.txt"))) >= 1  # where the ranks were
 
 
 def test_preflight_checks_each_fail_with_their_own_message(tmp_path):
@@ -211,3 +218,46 @@ run_recipe(main)
     assert (tmp_path / "joined").exists()  # the non-daemon thread was waited for
     if message:
         assert proc.stderr.strip().splitlines()[-1] == message
+
+
+def test_a_disk_that_fills_during_a_save_stops_the_run_with_every_committed_checkpoint_intact(straight, small_data, tmp_path):
+    """output_dir on a 16 MB tmpfs, filled to the last byte right after the checkpoint of step 4: the save of step 8
+    fails, the run stops in one line (a run that trained on with nothing saved would lose ever more to the next
+    crash), and once there is room again the next launch resumes from step 4 and ends as the uninterrupted run."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root); tests/test_checkpoint.py covers a failed write in one process")
+    out, filler = disk / "out", disk / "filler"
+    try:
+        args = recipe_args(small_data, out, 24, "--report_to", "none")
+        cmd, env = launch_command("cpu.yaml", args, tmp_path, launcher=(sys.executable, "-m", "infra.launch"))
+        env[FAULTS_ENV] = json.dumps({"rank": "all", "slow_seconds": 0.25})  # ~0.5 s a step: the disk fills before step 8
+        with open(tmp_path / "full.log", "w") as log:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            while not (out / "checkpoints" / "step_00000004" / "manifest.json").exists():
+                assert proc.poll() is None, (tmp_path / "full.log").read_text()[-3000:]
+                time.sleep(0.05)
+            with open(filler, "wb") as f, contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * 2**16)
+            assert proc.wait(timeout=120) != 0
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        text = (tmp_path / "full.log").read_text()
+        line = f"checkpoint error: saving the checkpoint of step 8 failed (no space left on the disk of {out / 'checkpoints'}: "
+        assert line in text and "MiB free); the earlier checkpoints are intact: step_00000004" in text, text[-3000:]
+        assert "Traceback" not in text and text.strip().splitlines()[-1] == "launch: rank 0 exited with code 1, rank 1 exited with code 1"
+        assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000004"]  # no partial folder left
+        assert not (out / "stopped.json").exists()  # no room for the stop record either: the exit code tells the batch script
+
+        filler.unlink()  # room again: the next launch resumes from the checkpoint that was intact
+        proc = run(recipe_args(small_data, out, 24, "--report_to", "none"), tmp_path, {})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "resumed at step 4" in proc.stdout
+        for name, tensor in weights(straight[0] / "out").items():
+            assert torch.equal(tensor, weights(out)[name]), name
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -116,15 +116,6 @@ def test_fsdp_on_cpu_is_refused_in_one_line(small_data, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.fixture(scope="module")
-def straight(small_data, tmp_path_factory):
-    """One uninterrupted 2-process run of 2N steps."""
-    tmp = tmp_path_factory.mktemp("straight")
-    proc = launch("cpu.yaml", recipe_args(small_data, tmp / "out", 2 * STEPS), tmp)
-    assert proc.returncode == 0
-    return tmp, proc
-
-
 def test_two_processes_train_as_one_job(straight, small_data):
     tmp, proc = straight
     out = tmp / "out"
@@ -408,38 +399,6 @@ def test_elastic_restarts_stress(straight, small_data, tmp_path, repetition):
     proc = elastic_restart(small_data, tmp_path, die_at_step=3 + 2 * repetition)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_weights(straight[0] / "out", tmp_path / "out")
-
-
-def test_two_machines_form_one_job_that_resumes_exactly(straight, small_data, tmp_path):
-    """The multi-node path on one machine: two `accelerate launch` with --num_machines 2, one process each, a c10d
-    rendezvous on 127.0.0.1; stopped half way and launched again, they end as the 2-process straight run."""
-    out, port = tmp_path / "out", free_port()
-
-    def both_machines(steps: int) -> list[str]:
-        procs = []
-        for rank in (0, 1):
-            cmd, env = launch_command(
-                "multi_node.yaml",
-                recipe_args(small_data, out, steps, "--report_to", "none"),
-                tmp_path,
-                num_processes=2,
-                port=port,
-                launcher_args=("--num_machines", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1"),
-            )
-            log = open(tmp_path / f"machine{rank}_{steps}.log", "w")  # noqa: SIM115 - closed below
-            procs.append((subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-        for proc, log in procs:
-            assert proc.wait(timeout=300) == 0, (tmp_path / log.name).read_text()[-3000:]
-            log.close()
-        return [(tmp_path / f"machine{rank}_{steps}.log").read_text() for rank in (0, 1)]
-
-    first = both_machines(STEPS)
-    assert "world size 2 (MULTI_CPU), starting fresh" in first[0]
-    second = both_machines(2 * STEPS)
-    assert f"resumed at step {STEPS}" in second[0]
-    assert_same_weights(straight[0] / "out", out)
-    for rank in (0, 1):
-        assert trace(out, rank) == trace(straight[0] / "out", rank)
 
 
 def test_data_on_object_storage_trains_to_the_same_weights(straight, small_data, s3, tmp_path):

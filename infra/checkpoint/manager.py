@@ -18,6 +18,7 @@ A folder without a whole manifest is never loaded; leftovers of interrupted save
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -327,7 +328,7 @@ class CheckpointManager:
             else:
                 acc.save_state(str(work))
         except Exception as err:  # OSError, and what libraries wrap it in (safetensors raises its own type)
-            error = err
+            error = disk_full(err, self.root)
         if not all_ranks_ok(acc, error is None):
             self._give_up(work, step, error)
         if background:
@@ -342,7 +343,7 @@ class CheckpointManager:
             try:
                 self._commit(work, final, step, manifest, files)
             except Exception as err:
-                error = err
+                error = disk_full(err, self.root)
         if not all_ranks_ok(acc, error is None):
             self._give_up(work, step, error)
         if acc.is_main_process:  # deleting old checkpoints is not on the training's critical path
@@ -397,8 +398,9 @@ class CheckpointManager:
             self._commit(work, final, step, manifest)
             self._after_commit(final)
         except Exception as err:
+            error = disk_full(err, self.root)
             shutil.rmtree(work, ignore_errors=True)
-            self._background_error = (step, err)
+            self._background_error = (step, error)
 
     def wait(self) -> None:
         """Let a background save or prune finish; raise (on every rank) if a background save failed."""
@@ -431,3 +433,19 @@ class CheckpointManager:
                 shutil.rmtree(old, ignore_errors=True)
                 for sibling in (universal_path(old), ddp_path(old)):  # its conversions
                     shutil.rmtree(sibling, ignore_errors=True)
+
+
+class DiskFullError(OSError):
+    """A write failed because the checkpoints' filesystem has no room left (whatever the library's own message)."""
+
+
+def disk_full(error: Exception, root: Path) -> Exception:
+    """`error`, or a DiskFullError naming the folder when the disk is full: libraries word it their own way (safetensors'
+    "os error 28", torch.save's "unexpected pos 64 vs 0")."""
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        return error
+    if getattr(error, "errno", None) == errno.ENOSPC or free < 2**20:
+        return DiskFullError(errno.ENOSPC, f"no space left on the disk of {root}: {free / 2**20:.1f} MiB free")
+    return error

@@ -252,7 +252,7 @@ class SampleTrace:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
         if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+            kept = [line for line in self.path.read_text().splitlines() if traced_step(line) <= resume_step]
         self.path.write_text("".join(line + "\n" for line in kept))
         self._file = open(self.path, "a")  # noqa: SIM115 - closed by close()
 
@@ -266,3 +266,11 @@ class SampleTrace:
 
     def close(self) -> None:
         self._file.close()
+
+
+def traced_step(line: str) -> float:
+    """The step of a trace line; infinite for the last line of a process killed while writing it (it is dropped)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError):
+        return float("inf")

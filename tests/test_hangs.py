@@ -1,0 +1,109 @@
+"""The watchdog's rules in one process: the step deadline, who is named for which error, a store that never answers."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+
+from infra.hangs import AUTO_FLOOR_SECONDS, STORE_WAIT, Peer, Watchdog, step_deadline, write_first_stop_record
+
+PEERS = [Peer(0, "h0", ("10.0.0.1",)), Peer(1, "h1", ("10.0.0.2", "192.168.5.2")), Peer(2, "h1", ("10.0.0.2", "192.168.5.2"))]
+
+
+class Store:
+    """The launcher's store as the watchdog uses it: set, get, set_timeout; `hang` makes every get wait forever."""
+
+    def __init__(self, values: dict[str, str], hang: bool = False):
+        self.values, self.hang = values, hang
+
+    def set_timeout(self, timeout) -> None:
+        pass
+
+    def get(self, key: str) -> bytes:
+        if self.hang:
+            threading.Event().wait()
+        if key not in self.values:
+            raise RuntimeError("timeout")
+        return self.values[key].encode()
+
+
+def watchdog(tmp_path, store=None, rank: int = 0) -> Watchdog:
+    one = SimpleNamespace(num_processes=1, process_index=rank)  # no thread, no store of its own: the rules alone
+    dog = Watchdog(one, str(tmp_path), start_timeout=1800, step_timeout=0, peers=PEERS)
+    dog.store, dog.step, dog.started = store, 7, True
+    return dog
+
+
+def test_the_step_deadline_follows_the_slowest_recent_step_with_a_floor():
+    assert step_deadline(0, deque()) == AUTO_FLOOR_SECONDS
+    assert step_deadline(0, deque([0.3] * 50)) == AUTO_FLOOR_SECONDS
+    assert step_deadline(0, deque([2.0, 12.0, 3.0])) == 60.0
+    assert step_deadline(45, deque([100.0])) == 45  # set by hand: as set
+
+
+def test_saves_loads_and_evaluations_get_the_start_up_timeout(tmp_path):
+    dog = watchdog(tmp_path)
+    assert dog.deadline() == AUTO_FLOOR_SECONDS
+    with dog.relaxed():
+        assert dog.deadline() == 1800
+    assert dog.deadline() == AUTO_FLOOR_SECONDS
+    dog.started = False  # the first step of a launch: compilation, warm caches
+    assert dog.deadline() == 1800
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        "[../gloo/transport/tcp/pair.cc:537] Read error [192.168.5.2]:10392: Connection reset by peer. This is typically caused",
+        "[../gloo/transport/tcp/pair.cc:589] Connection closed by peer [10.0.0.2]:41235",
+    ],
+)
+def test_a_reset_connection_names_every_rank_of_the_host_at_that_address(tmp_path, error):
+    finding = watchdog(tmp_path).from_error(error)
+    assert finding["fault"] == "connection reset" and finding["lost"] == [{"rank": 1, "host": "h1"}, {"rank": 2, "host": "h1"}]
+    assert finding["message"].startswith("peer lost (connection reset): rank 0 on h0, after step 7: rank 1 on h1, rank 2 on h1 (")
+    assert finding["message"].endswith("closed its connection: its process died or its host is gone")
+
+
+def test_the_store_tells_a_silent_rank_from_a_stuck_one(tmp_path):
+    now = time.time()
+    steps = {f"infra/step/{r}": "7" for r in range(3)}
+    silent = Store({**steps, "infra/alive/0": f"{now}", "infra/alive/1": f"{now - 40}", "infra/alive/2": f"{now}"})
+    finding = watchdog(tmp_path, silent).silent(35)
+    assert finding["fault"] == "no answer" and finding["lost"] == [{"rank": 1, "host": "h1"}]
+    assert "no step finished for 35s (deadline 30s); no answer from rank 1 on h1 for 40s" in finding["message"]
+
+    stuck = Store({**steps, "infra/step/2": "6", **{f"infra/alive/{r}": f"{now}" for r in range(3)}})
+    finding = watchdog(tmp_path, stuck).silent(35)
+    assert finding["fault"] == "hung step" and finding["lost"] == [{"rank": 2, "host": "h1"}]
+    assert "rank 2 on h1 at step 6 while the others finished step 7: alive but stuck in its step" in finding["message"]
+
+
+def test_a_store_that_never_answers_is_reported_in_seconds(tmp_path):
+    start = time.monotonic()
+    finding = watchdog(tmp_path, Store({}, hang=True), rank=1).silent(31)
+    assert time.monotonic() - start < STORE_WAIT + 1
+    assert finding["lost"] == [{"rank": 0, "host": "h0"}]
+    assert "the job's store on h0 (rank 0's host) does not answer from h1" in finding["message"]
+
+
+def test_the_first_rank_to_record_the_stop_wins(tmp_path):
+    assert write_first_stop_record(tmp_path, 7, {"reason": "peer_lost", "seen_by": {"rank": 0}})
+    assert not write_first_stop_record(tmp_path, 7, {"reason": "peer_lost", "seen_by": {"rank": 1}})
+    assert json.loads((tmp_path / "stopped.json").read_text())["seen_by"] == {"rank": 0}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stopped.json"]
+
+
+def test_forensics_hold_the_line_the_last_collective_and_every_threads_stack(tmp_path):
+    dog = watchdog(tmp_path)
+    dog.entering("the step agreement's all-reduce")
+    path = dog.write_forensics("peer lost (no answer): ...")
+    text = path.read_text()
+    assert path.name == "step00000007_rank0_h0.txt"
+    assert "last collective entered: the step agreement's all-reduce (step 8)" in text and "--- thread MainThread" in text
+    assert "test_forensics_hold_the_line" in text  # this thread's own frame

@@ -1,0 +1,165 @@
+"""Two hosts with their own network (tests/hosts.py): one job over a bridge, and the faults of a cluster.
+
+Each fault is injected right after a checkpoint is committed; every surviving process must exit within 60 s with the
+default settings, in one line naming the lost or silent host and rank; the next launch resumes from the newest
+checkpoint, and after all of them the weights and the sample order equal an uninterrupted 2-process run on one host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from infra.checkpoint import read_manifest
+from infra.testing import FAULTS_ENV
+from tests.conftest import REPO, launch_command
+from tests.hosts import Hosts
+from tests.test_pretrain import STEPS, assert_same_weights, recipe_args, trace
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.skipif(bool(Hosts.unavailable()), reason=str(Hosts.unavailable()))]
+
+DETECTION_BOUND = 60  # seconds from a fault to the exit of every surviving process, default settings (docs/guarantees.md)
+PORT = 29500
+
+
+class Job:
+    """One launch of the 2-host job (`python -m infra.launch`, one process per host), its logs and its processes."""
+
+    def __init__(self, hosts: Hosts, data: Path, tmp: Path, name: str, faults: dict | None = None):
+        self.hosts, self.tmp, self.out, self.name = hosts, tmp, tmp / "out", name
+        self.procs = []
+        for rank in (0, 1):
+            cmd, env = launch_command(
+                "multi_node.yaml",
+                recipe_args(data, self.out, 2 * STEPS),
+                tmp,
+                num_processes=2,
+                port=PORT,
+                launcher=(sys.executable, "-m", "infra.launch"),
+                launcher_args=("--num_machines", "2", "--machine_rank", str(rank), "--main_process_ip", hosts.addresses[0]),
+                env={FAULTS_ENV: json.dumps(faults)} if faults else None,
+            )
+            self.procs.append(hosts.popen(rank, cmd, env, self.log_path(rank), cwd=REPO))
+
+    def log_path(self, host: int) -> Path:
+        return self.tmp / f"{self.name}_h{host}.log"
+
+    def log(self, host: int) -> str:
+        return self.log_path(host).read_text()
+
+    def wait_for_checkpoint(self, step: int, timeout: float = 180) -> None:
+        end = time.monotonic() + timeout
+        while not (self.out / "checkpoints" / f"step_{step:08d}" / "manifest.json").exists():
+            codes = [p.poll() for p in self.procs]
+            assert time.monotonic() < end and None in codes, f"no checkpoint {step}: exits {codes}\n{self.log(0)[-3000:]}"
+            time.sleep(0.05)
+
+    def exits_within(self, hosts: list[int], seconds: float) -> dict[int, float]:
+        """Seconds until each of `hosts`' launchers exited; fails if one is still running after `seconds`."""
+        start, ended = time.monotonic(), {}
+        while len(ended) < len(hosts):
+            for h in hosts:
+                if h not in ended and self.procs[h].poll() is not None:
+                    ended[h] = time.monotonic() - start
+            assert time.monotonic() - start < seconds, f"still running {seconds}s after the fault: {set(hosts) - set(ended)}"
+            time.sleep(0.1)
+        return ended
+
+    def finish(self, timeout: float = 300) -> None:
+        for h, proc in enumerate(self.procs):
+            assert proc.wait(timeout=timeout) == 0, self.log(h)[-4000:]
+
+
+def newest(out: Path) -> int:
+    return max(read_manifest(p)["step"] for p in (out / "checkpoints").glob("step_*") if (p / "manifest.json").exists())
+
+
+def training_processes(hosts: Hosts, host: int) -> list[int]:
+    """The recipe's processes on `host` (not the launcher)."""
+    found = []
+    for pid in hosts.pids(host):
+        cmdline = " ".join(psutil.Process(pid).cmdline())
+        if "recipes/pretrain_clm.py" in cmdline and "infra.launch" not in cmdline:
+            found.append(pid)
+    return found
+
+
+def test_two_hosts_train_as_one_job_through_a_dead_link_a_lost_host_and_a_frozen_rank(straight, small_data, tmp_path):
+    """Over a real network (two namespaces, a bridge): a dead link, a host killed, a rank frozen by SIGSTOP, each right
+    after a checkpoint; each time the surviving processes exit within the bound naming the host and rank, and the next
+    launch resumes. The last launch ends bit-identical to the uninterrupted 2-process run on one host."""
+    out = tmp_path / "out"
+    slow = {"rank": "all", "slow_seconds": 0.25}  # a step of ~0.5 s: the fault lands before the next checkpoint
+    seen: dict[str, dict] = {}
+    with Hosts(2) as hosts:
+        # 1. the link of host 1 goes down: both sides stop, each naming the other
+        job = Job(hosts, small_data, tmp_path, "link", slow)
+        job.wait_for_checkpoint(4)
+        hosts.link(1, up=False)
+        took = job.exits_within([0, 1], DETECTION_BOUND)
+        assert "world size 2 (MULTI_CPU), starting fresh" in job.log(0)
+        assert "peer lost (no answer): rank 0 on h0" in job.log(0) and "no answer from rank 1 on h1" in job.log(0), job.log(0)[-3000:]
+        assert "peer lost (no answer): rank 1 on h1" in job.log(1) and "the job's store on h0 (rank 0's host) does not answer" in job.log(1)
+        seen["link"] = {"record": json.loads((out / "stopped.json").read_text()), "took": took}
+        hosts.link(1, up=True)
+
+        # 2. host 1 lost: every process in it killed; host 0 hears the connection reset at once
+        resumed = newest(out)
+        job = Job(hosts, small_data, tmp_path, "kill", slow)
+        job.wait_for_checkpoint(resumed + 4)
+        hosts.kill(1)
+        took = job.exits_within([0], DETECTION_BOUND)
+        assert f"resumed at step {resumed}" in job.log(0)
+        assert "peer lost (connection reset): rank 0 on h0" in job.log(0)
+        assert "rank 1 on h1 (10.231.0.11) closed its connection" in job.log(0)
+        seen["kill"] = {"record": json.loads((out / "stopped.json").read_text()), "took": took}
+
+        # 3. the training process of host 1 frozen (SIGSTOP): host 0 stops, naming it; the scheduler then ends host 1
+        resumed = newest(out)
+        job = Job(hosts, small_data, tmp_path, "stop", slow)
+        job.wait_for_checkpoint(resumed + 4)
+        for pid in training_processes(hosts, 1):
+            os.kill(pid, signal.SIGSTOP)
+        took = job.exits_within([0], DETECTION_BOUND)
+        assert "peer lost (no answer): rank 0 on h0" in job.log(0) and "no answer from rank 1 on h1" in job.log(0)
+        seen["stop"] = {"record": json.loads((out / "stopped.json").read_text()), "took": took}
+        hosts.kill(1)
+        assert hosts.wait_quiet(1, 10)
+
+        # 4. the last launch finishes
+        resumed = newest(out)
+        job = Job(hosts, small_data, tmp_path, "end")
+        job.finish()
+        assert f"resumed at step {resumed}" in job.log(0)
+
+    for fault, kind in (("link", "no answer"), ("kill", "connection reset"), ("stop", "no answer")):
+        record = seen[fault]["record"]
+        assert record["reason"] == "peer_lost" and record["fault"] == kind and {"rank": 1, "host": "h1"} in record["lost"], record
+        for log in [tmp_path / f"{fault}_h{h}.log" for h in (0, 1)]:
+            assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+    assert max(seen["kill"]["took"].values()) < 15  # a reset is heard at once, not at the deadline
+    assert (tmp_path / "link_h0.log").read_text().strip().splitlines()[-1] == "launch: rank 0 exited with code 76"
+
+    assert_same_weights(straight[0] / "out", out)
+    for rank in (0, 1):
+        assert trace(out, rank) == trace(straight[0] / "out", rank)
+
+    # where each rank was: a report per rank and fault, logged to the run by the next launch (or rank 0 at once)
+    reports = sorted(p.name for p in (out / "hangs" / "logged").glob("*.txt"))
+    assert any("rank1_h1" in name for name in reports) and sum("rank0_h0" in name for name in reports) == 3, reports
+    report = next((out / "hangs" / "logged").glob("*rank0_h0.txt")).read_text()
+    assert "last collective entered: " in report and "--- thread MainThread" in report and "in step" in report
+
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("pretrain_clm").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert {Path(a.path).name for a in client.list_artifacts(run.info.run_id, "hangs")} == set(reports)
