@@ -21,6 +21,7 @@ COLUMNS = (
     ("final loss", 10),
     ("eval loss", 10),
     ("throughput", 14),
+    ("ETTR", 5),
     ("run id", 8),
 )
 
@@ -46,6 +47,7 @@ def rows(client, runs, metric: str) -> list[tuple[str, ...]]:
                 f"{loss:.4f}" if loss is not None else "-",
                 f"{last['eval/loss']:.4f}" if "eval/loss" in last else "-",
                 f"{rate:,.0f} {unit}/s" if rate is not None else "-",
+                f"{last['goodput/ettr']:.2f}" if "goodput/ettr" in last else "-",
                 run.info.run_id[:8],
             )
         )

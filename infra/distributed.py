@@ -63,6 +63,7 @@ def build_accelerator(
         # forming its full mesh (14 of 19 restarts ran without it; with lazy init, see tests/test_pretrain.py)
         os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     init = InitProcessGroupKwargs(backend="gloo", timeout=timeout) if gloo else InitProcessGroupKwargs(timeout=timeout)
+    group_for_this_attempt("gloo" if gloo or on_cpu else "nccl", timeout)
     accelerator = Accelerator(
         mixed_precision=precision.value,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -76,6 +77,44 @@ def build_accelerator(
     check_world(accelerator)
     configure_deepspeed(accelerator, args)
     return accelerator, precision
+
+
+def group_for_this_attempt(backend: str, timeout: timedelta) -> None:
+    """Under in-job restarts, form the process group in keys of this attempt's own, so no restarted rank reads a key of the
+    attempt before.
+
+    torch elastic's static rendezvous (what `accelerate launch` runs, whatever the config's `rdzv_backend` says: its
+    command-line default wins) and its c10d rendezvous with the store shared with the agent (torch's default) serve every
+    attempt of the workers from one store, under the same key names. A restarted rank that reaches the group's set-up
+    before its peer reads the peer's address of the attempt before and fails (gloo: `Connection refused`) or waits on a
+    port that is gone: measured on one machine, 2 of 6 restarts of a plain group came through, 4 failed or hung. On
+    one machine every rank has the same agent, hence the same restart count: the keys go under it. Across machines the
+    agents' counts can differ (one restarts for a failure, another for a membership change, which it does not count), so
+    there the launcher must give each attempt a store of its own: `python -m infra.launch` does (c10d rendezvous,
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1); anything else gets a warning.
+    """
+    if launched_world_size() <= 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) == 0:
+        return
+    if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(
+                "warning: in-job restarts across machines with a store shared by every attempt: a restarted rank can read its "
+                "peer's old address and fail. Launch with python -m infra.launch, or accelerate launch --rdzv_backend c10d "
+                "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 set",
+                flush=True,
+            )
+        return
+    store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    torch.distributed.init_process_group(
+        backend,
+        store=torch.distributed.PrefixStore(f"infra/attempt_{attempt}", store),
+        rank=int(os.environ["RANK"]),
+        world_size=launched_world_size(),
+        timeout=timeout,
+    )
 
 
 def fsdp_over_cpu_processes(accelerator: Accelerator) -> None:

@@ -288,6 +288,8 @@ class Watchdog:
             with contextlib.suppress(Exception):
                 bounded(lambda: self.on_exit(line), STORE_WAIT)
         print(line, file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):
+            tell_launcher(self.rank, PEER_LOST_EXIT_CODE, line)
         os._exit(PEER_LOST_EXIT_CODE)
 
     def write_forensics(self, line: str) -> Path:
@@ -309,6 +311,16 @@ class Watchdog:
         path = folder / f"step{self.step:08d}_rank{self.rank}_{self.peers[self.rank].host}.txt"
         path.write_text("\n".join(parts))
         return path
+
+
+LAUNCH_STATUS_ENV = "INFRA_LAUNCH_STATUS"  # a folder infra.launch watches: a rank's exit for a lost peer
+
+
+def tell_launcher(rank: int, code: int, line: str) -> None:
+    """Tell `python -m infra.launch` (if it started this process) why this rank exits: over a dead link torch elastic's
+    agent can wait forever on its rendezvous store after its workers are gone, and the launcher then ends it."""
+    if folder := os.environ.get(LAUNCH_STATUS_ENV):
+        (Path(folder) / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "code": code, "message": line}))
 
 
 def write_first_stop_record(output_dir: Path, step: int, record: dict) -> bool:

@@ -11,6 +11,12 @@ What a scheduler does to a job, and what each launcher then reports:
 - A training process that fails: plain `accelerate launch` prints a traceback of its own after the recipe's one-line
   error (`ChildFailedError`, or `CalledProcessError` for one process). This launcher prints one line naming the ranks
   and exits with their exit code (75 for a straggler, say).
+- Several machines: node 0 must hold `--main_process_ip` and the others must reach it, else one line says which and
+  the launch exits 1 before anything starts. Plain `accelerate launch` runs torch elastic's static rendezvous whatever
+  the config file's `rdzv_backend` says (its command-line default wins over the file), and every attempt of an in-job
+  restart then shares one store: a restarted rank can read its peer's address of the attempt before and fail to
+  connect. This launcher asks for the c10d rendezvous with a store of its own for each attempt, unless
+  `--rdzv_backend` is given (infra.rendezvous).
 
 Otherwise it is `accelerate launch`, with the same arguments. The training processes catch both signals themselves
 (infra.preemption, infra.consensus): a signal that reaches a process twice (the scheduler signals every process, and this
@@ -19,11 +25,21 @@ launcher forwards) counts once.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from infra.hangs import LAUNCH_STATUS_ENV
+from infra.rendezvous import flag, node_problem, with_rendezvous
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
 # torchrun's --signals_to_handle (its default read from this variable): torch elastic's agent turns these signals into
@@ -32,7 +48,8 @@ ELASTIC_SIGNALS_ENV = "PET_SIGNALS_TO_HANDLE"
 
 
 def children(pid: int) -> list[int]:
-    """The direct child processes of `pid` (the training processes, under either accelerate launcher)."""
+    """The live direct child processes of `pid` (the training processes, under either accelerate launcher); exited ones
+    that nobody has waited for yet (zombies) are not counted."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -41,7 +58,8 @@ def children(pid: int) -> list[int]:
                     stat = f.read()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # the field after the state: ppid
+            state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+            if int(ppid) == pid and state != "Z":
                 found.append(int(entry))
     return found
 
@@ -69,6 +87,42 @@ def exit_code(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
+AGENT_GRACE_SECONDS = 10.0
+
+
+def watch_agent() -> None:
+    """End this launcher once its training processes have exited for a lost peer (they say so in a folder this launcher
+    gives them) and torch elastic's agent has not returned AGENT_GRACE_SECONDS later: over a dead link the agent waits on
+    its rendezvous store, which no timeout of its own bounds (seen: still waiting 300 s later). No restarts are left to
+    it (--max_restarts 0), so nothing is lost."""
+    folder = tempfile.mkdtemp(prefix="infra-launch-")
+    os.environ[LAUNCH_STATUS_ENV] = folder
+    atexit.register(shutil.rmtree, folder, True)
+
+    def watch():
+        since = None
+        while True:
+            time.sleep(0.5)
+            told = sorted(Path(folder).glob("rank*.json"))
+            if not told or children(os.getpid()):
+                since = None
+                continue
+            since = since or time.monotonic()
+            if time.monotonic() - since >= AGENT_GRACE_SECONDS:
+                status = json.loads(told[0].read_text())
+                ranks = ", ".join(f"rank {json.loads(p.read_text())['rank']}" for p in told)
+                print(
+                    f"launch: {ranks} exited with code {status['code']} (a peer lost); torch elastic's agent did not return "
+                    f"within {AGENT_GRACE_SECONDS:g}s (its rendezvous store does not answer): exiting",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                shutil.rmtree(folder, ignore_errors=True)
+                os._exit(status["code"])
+
+    threading.Thread(target=watch, name="agent-watch", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ[ELASTIC_SIGNALS_ENV] = "SIGINT,SIGHUP,SIGQUIT"
     for signum in FORWARDED:
@@ -76,7 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     from accelerate.commands.accelerate_cli import main as accelerate
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    sys.argv = ["accelerate", "launch", *(sys.argv[1:] if argv is None else argv)]
+    args = sys.argv[1:] if argv is None else argv
+    if (problem := node_problem(args)) is not None:
+        print(f"launch error: {problem}", file=sys.stderr)
+        return 1
+    sys.argv = ["accelerate", "launch", *with_rendezvous(args)]
+    if int(flag(args, "--max_restarts") or 0) == 0:
+        watch_agent()
     try:
         accelerate()
     except subprocess.CalledProcessError as err:  # one process (accelerate's simple launcher): it printed its own error

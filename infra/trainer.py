@@ -53,6 +53,7 @@ from infra.data.mixture import MixtureCursor, MixtureDataset, MixtureLoader
 from infra.distributed import LaunchError, ready_for_fsdp
 from infra.environment import environment_facts
 from infra.export import Exporter
+from infra.goodput import Goodput, summary
 from infra.guard import NonFiniteConfig, NonFiniteGuard
 from infra.hangs import Watchdog, log_forensics, roster
 from infra.health import STRAGGLER_EXIT_CODE, HealthConfig, StragglerDetector, check_replicas_in_sync
@@ -308,6 +309,7 @@ class Trainer:
         self.units_per_step = self.loader.global_batch_size * args.gradient_accumulation_steps * job.units_per_sample
 
         self.state = TrainState()
+        self.goodput = Goodput(args.output_dir, acc.is_main_process)
         self.retention = RetentionPolicy(args)
         self.exporter = Exporter(acc, args.output_dir, job.name, job.processor, job.task, config, adapter_only=job.adapter_only)
         self.checkpoints = CheckpointManager(
@@ -401,6 +403,7 @@ class Trainer:
             with exit_on(DataError, "data error"):  # a data_mixture other than the checkpoint's, say
                 self.cursor.load_state_dict(manifest["cursor"])
             self.hooks.on_state("resumed", state.step, self.model, self.optimizer)
+        self.goodput.resume(manifest)
         self.clock.restart()
         if save_seconds and args.save_interval_minutes == "auto":  # Young/Daly from the preflight's save, not a default
             acc.print(f"a save takes {save_seconds:.1f}s: saving every {self.clock.saved(save_seconds):.1f} min (Young/Daly)")
@@ -436,7 +439,7 @@ class Trainer:
         """Where each rank was when an earlier launch stopped for a lost peer (infra.hangs), as artifacts of the run."""
         try:
             if logged := log_forensics(self.run_id, self.args.output_dir):
-                self.accelerator.print(f"logged {logged} hang report(s) of an earlier launch to MLflow (artifacts hangs/)")
+                self.accelerator.print(f"logged {logged} hang report(s) to MLflow (artifacts hangs/)")
         except Exception as err:  # tracking never stops training: they wait in OUTPUT_DIR/hangs for the next launch
             self.accelerator.print(f"warning: hang reports not logged to MLflow ({type(err).__name__}: {err})")
 
@@ -452,6 +455,7 @@ class Trainer:
         ranks' agreement, then the update unless a rank saw a non-finite value."""
         acc, args, state = self.accelerator, self.args, self.state
         self.step_started = time.monotonic()
+        self.goodput.first_step()
         self.watchdog.entering("data")
         micro_batches = [self.fetch() for _ in range(args.gradient_accumulation_steps)]
         self.watchdog.entering("the item count's all-reduce")
@@ -532,6 +536,7 @@ class Trainer:
         """After max_bad_steps non-finite steps in a row: the guard reloads the newest checkpoint (or stops); the loop's
         window starts again from its step."""
         manifest = self.guard.act(self.state, self.cursor, self.watchdog.relaxed)
+        self.goodput.rolled_back(manifest)
         self.latest = manifest.get("metrics", {})
         self.tracker.log({"health/rollbacks": self.state.rollbacks}, step=self.state.step)
         self.metrics.reset_loss()
@@ -543,6 +548,8 @@ class Trainer:
     def log(self, result: StepResult) -> None:
         state = self.state
         logged, mean_loss = self.metrics.collect(self.scheduler.get_last_lr()[0], state.tokens_seen, self.cursor.epoch, result.grad_norm)
+        logged |= self.goodput.metrics()
+        self.goodput.alive()
         if isinstance(self.cursor, MixtureCursor):  # what each source gave so far: known from the position, no collective
             for name, samples in self.cursor.taken().items():
                 logged[f"train/samples/{name}"] = samples
@@ -577,7 +584,7 @@ class Trainer:
         acc = self.accelerator
         self.model.eval()
         held_out = self.job.data.held_out
-        with torch.no_grad(), self.watchdog.relaxed():
+        with torch.no_grad(), self.watchdog.relaxed(), self.goodput.stall("eval"):
             scores = self.job.evaluate(acc, self.model, self.eval_batches(held_out))
             if isinstance(held_out, MixtureDataset):  # and each source's held-out samples alone: eval/loss/<name>, ...
                 for name, part in zip(held_out.names, held_out.parts, strict=True):
@@ -603,8 +610,9 @@ class Trainer:
         start = time.perf_counter()
         # a copy of the metrics: a background save writes its manifest later, while the loop goes on updating them
         facts = {**state.state_dict(), "cursor": self.cursor.state_dict(), "metrics": dict(self.latest), "mlflow_run_id": self.run_id}
+        facts["goodput"] = self.goodput.ledger()  # the time history of these weights (infra.goodput)
         try:
-            with self.watchdog.relaxed():  # a long synchronous save is not a hang
+            with self.watchdog.relaxed(), self.goodput.stall("checkpoint"):  # a long synchronous save is not a hang
                 self.checkpoints.save(state.step, {**facts, **self.facts}, background=args.async_save and not last)
         except CheckpointError as err:  # a full disk, say: the run stops rather than train on with nothing saved
             if self.accelerator.is_main_process:
@@ -626,7 +634,8 @@ class Trainer:
 
     def close(self, stop: dict | None) -> None:
         """The one exit: after a stop, its record for the batch script (requeue or not) and the MLflow run KILLED; else the
-        model logged on request and the run FINISHED; then the process group destroyed. A straggler exits with 75."""
+        model logged on request and the run FINISHED; goodput logged and printed last; then the process group destroyed. A
+        straggler exits with 75."""
         acc, state = self.accelerator, self.state
         if stop is not None:
             if acc.is_main_process:
@@ -639,10 +648,14 @@ class Trainer:
                 )
         self.checkpoints.close()  # the last upload done
         self.watchdog.stop()
+        goodput = self.goodput.metrics()
+        self.tracker.log(goodput, step=state.step)
+        self.goodput.alive()
         self.tracker.close()
         if stop is None and self.args.log_model:
             self.exporter.log_to_mlflow(self.args.register_model)
         end_run("FINISHED" if stop is None else "KILLED")
+        acc.print(summary(goodput))
         acc.end_training()
         if stop is not None and stop["reason"] == "straggler":
             raise SystemExit(STRAGGLER_EXIT_CODE)

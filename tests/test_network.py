@@ -32,7 +32,7 @@ PORT = 29500
 class Job:
     """One launch of the 2-host job (`python -m infra.launch`, one process per host), its logs and its processes."""
 
-    def __init__(self, hosts: Hosts, data: Path, tmp: Path, name: str, faults: dict | None = None):
+    def __init__(self, hosts: Hosts, data: Path, tmp: Path, name: str, faults: dict | None = None, restarts: int = 0):
         self.hosts, self.tmp, self.out, self.name = hosts, tmp, tmp / "out", name
         self.procs = []
         for rank in (0, 1):
@@ -43,7 +43,10 @@ class Job:
                 num_processes=2,
                 port=PORT,
                 launcher=(sys.executable, "-m", "infra.launch"),
-                launcher_args=("--num_machines", "2", "--machine_rank", str(rank), "--main_process_ip", hosts.addresses[0]),
+                launcher_args=(
+                    *("--num_machines", "2", "--machine_rank", str(rank), "--main_process_ip", hosts.addresses[0]),
+                    *("--max_restarts", str(restarts)),
+                ),
                 env={FAULTS_ENV: json.dumps(faults)} if faults else None,
             )
             self.procs.append(hosts.popen(rank, cmd, env, self.log_path(rank), cwd=REPO))
@@ -162,4 +165,84 @@ def test_two_hosts_train_as_one_job_through_a_dead_link_a_lost_host_and_a_frozen
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("pretrain_clm").experiment_id])
     assert run.info.status == "FINISHED"
+    # goodput over the four launches: the faults cost restarts and work done again, and the parts add up to the wall time
+    m = run.data.metrics
+    parts = ("train", "startup", "checkpoint", "eval", "restart", "lost")
+    # (to a second: a process's start time is known from the kernel's boot time, in whole seconds)
+    assert sum(m[f"goodput/{k}_seconds"] for k in parts) == pytest.approx(m["goodput/wall_seconds"], abs=1.0)
+    assert m["goodput/restart_seconds"] > 2 * 30  # a dead link and a frozen rank are noticed at the 30 s deadline
+    assert 0 < m["goodput/ettr"] < 0.5 and m["goodput/startup_seconds"] > 0
+    assert job.log(0).strip().splitlines()[-1].startswith(f"goodput: ETTR {m['goodput/ettr']:.2f} of ")
     assert {Path(a.path).name for a in client.list_artifacts(run.info.run_id, "hangs")} == set(reports)
+
+
+def restarts_recover(straight, small_data, tmp_path, kills: int) -> None:
+    """`kills` times in a row, the training process of one host (each in turn) killed a second after the group formed
+    again; the launchers' in-job restarts (`--max_restarts`) must bring it back every time, and the run end as the
+    uninterrupted one."""
+    out = tmp_path / "out"
+    with Hosts(2) as hosts:
+        job = Job(hosts, small_data, tmp_path, "restarts", {"rank": "all", "slow_seconds": 0.25}, restarts=kills)
+        job.wait_for_checkpoint(4)
+        for kill in range(kills):
+            starts = job.log(0).count("world size 2 (MULTI_CPU)")
+            victims = training_processes(hosts, kill % 2)
+            assert victims, f"no training process on h{kill % 2} before kill {kill + 1}"
+            for pid in victims:
+                os.kill(pid, signal.SIGKILL)
+            end = time.monotonic() + 90  # the group forms again and resumes by itself
+            while job.log(0).count("world size 2 (MULTI_CPU)") == starts:
+                running = None in [p.poll() for p in job.procs]
+                assert time.monotonic() < end and running, f"kill {kill + 1}: no restart\n{job.log(0)[-3000:]}"
+                time.sleep(0.1)
+            time.sleep(1.0)
+        job.finish()
+    log = job.log(0)
+    assert log.count("world size 2 (MULTI_CPU)") == kills + 1 and "Connection refused" not in log + job.log(1)
+    assert_same_weights(straight[0] / "out", out)
+    for rank in (0, 1):
+        assert trace(out, rank) == trace(straight[0] / "out", rank)
+
+
+def test_in_job_restarts_over_two_hosts_recover_every_time(straight, small_data, tmp_path):
+    """The c10d rendezvous with a store per attempt (what infra.launch asks for across machines): before, the restarted
+    rank read its peer's address of the attempt before in the shared store, and 7 of 7 first restarts failed."""
+    restarts_recover(straight, small_data, tmp_path, kills=3)
+
+
+@pytest.mark.slow
+def test_twenty_in_job_restarts_in_a_row_over_two_hosts(straight, small_data, tmp_path):
+    restarts_recover(straight, small_data, tmp_path, kills=20)
+
+
+def test_a_node_that_cannot_join_is_refused_in_one_line_before_anything_is_written(small_data, tmp_path):
+    """Node 1 given an address where no host answers; node 0 given an address that is not its own."""
+    out = tmp_path / "out"
+    with Hosts(2) as hosts:
+        procs = {}
+        for rank, ip in ((1, f"{hosts.addresses[0][:-3]}.99"), (0, hosts.addresses[1])):
+            cmd, env = launch_command(
+                "multi_node.yaml",
+                recipe_args(small_data, out, STEPS),
+                tmp_path,
+                port=PORT,
+                launcher=(sys.executable, "-m", "infra.launch"),
+                launcher_args=("--num_machines", "2", "--machine_rank", str(rank), "--main_process_ip", ip),
+                env={"INFRA_RENDEZVOUS_TIMEOUT": "3"},
+            )
+            procs[rank] = (hosts.popen(rank, cmd, env, tmp_path / f"h{rank}.log", cwd=REPO), ip)
+        for rank, (proc, ip) in procs.items():
+            assert proc.wait(timeout=60) == 1
+            lines = (tmp_path / f"h{rank}.log").read_text().strip().splitlines()
+            assert len(lines) == 1, lines
+            if rank == 1:
+                assert lines[0] == (
+                    f"launch error: node 0 at main_process_ip={ip} port {PORT} did not answer from h1 (machine_rank 1) within 3s: "
+                    "is machine_rank 0 started, is the address right, is the port open? (INFRA_RENDEZVOUS_TIMEOUT sets the wait)"
+                )
+            else:
+                assert lines[0] == (
+                    f"launch error: main_process_ip={ip} is not an address of this machine (h0: 10.231.0.10, 127.0.0.1); "
+                    "machine_rank 0 serves the rendezvous there, so it must run on the machine with that address"
+                )
+    assert not out.exists()

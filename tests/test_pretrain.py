@@ -155,6 +155,8 @@ def test_two_processes_train_as_one_job(straight, small_data):
         run.data.metrics
     )
     assert "perf/mfu" not in run.data.metrics  # no known peak on a CPU: no number
+    ettr = run.data.metrics["goodput/ettr"]  # one launch: only start-up, saves and evals kept it from 1
+    assert 0.1 < ettr < 1 and proc.stdout.strip().splitlines()[-1].startswith(f"goodput: ETTR {ettr:.2f} of ")
     losses = [m.value for m in client.get_metric_history(run.info.run_id, "train/loss")]
     assert len(losses) == STEPS and losses[-1] < losses[0]
     # the exported model loads with from_pretrained

@@ -68,12 +68,14 @@ def test_compare_prints_a_table_and_plots_the_curves(store, tmp_path, capsys):
         for step, loss in enumerate(losses, 1):
             client.log_metric(run.info.run_id, "train/loss", loss, step=step * 10)
         client.log_metric(run.info.run_id, "perf/tokens_per_second", 12345.0, step=30)
+        client.log_metric(run.info.run_id, "goodput/ettr", 0.913, step=30)
         client.set_terminated(run.info.run_id, "FINISHED")
     png = tmp_path / "compare.png"
     compare(["--experiment", "pretrain_clm", "--output", str(png)])
     out = capsys.readouterr().out
     lines = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("lr0.")}
     assert lines["lr0.01"][1:3] == ["FINISHED", "0.01"] and "3.5000" in lines["lr0.01"] and "12,345" in lines["lr0.01"]
+    assert "0.91" in lines["lr0.01"]  # goodput's ETTR
     assert lines["lr0.001"][2] == "0.001" and "4.6000" in lines["lr0.001"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit) as exit_:

@@ -1,0 +1,140 @@
+"""Goodput: what fraction of a run's wall time, over every launch since its first, went into steps that were kept.
+
+    ETTR (effective training time ratio) = time of the kept steps / wall time since the run's first launch
+
+The rest is broken down into
+
+- `startup`:     from a launch's process start to its first step (imports, rendezvous, preflight, loading the checkpoint);
+- `checkpoint`:  the loop stalled on saves;
+- `eval`:        held-out evaluations;
+- `restart`:     from the last sign of life of a launch that stopped without finishing to the start of the next one
+                 (detecting the fault, the scheduler's or the elastic agent's restart);
+- `lost`:        the rest: steps trained after the newest checkpoint and lost with their launch (done again), launches
+                 that never reached a checkpoint, and steps undone by a rollback.
+
+The ledger of the first four and of the kept steps (`train`) travels in each checkpoint's manifest, so a resumed launch
+carries exactly the history of the weights it resumed: what was trained after that checkpoint is no longer counted as
+kept, and shows up as `lost`. `OUTPUT_DIR/goodput.json` (rank 0, at every log) holds the run's first launch time and the
+last sign of life, for what no checkpoint can hold: when the run began, and when its last launch stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+
+from infra.files import atomic_write_text
+
+LEDGER = "goodput.json"
+KEPT = ("train", "startup", "checkpoint", "eval", "restart")  # carried in checkpoints; `lost` is the remainder
+
+
+def process_start() -> float:
+    """When this process started (wall clock): a launch's time begins before Python imports anything."""
+    return psutil.Process().create_time()
+
+
+class Goodput:
+    """One launch's share of the ledger, on every rank (rank 0 logs it and writes goodput.json)."""
+
+    def __init__(
+        self, output_dir: str | os.PathLike, main: bool, launch_start: float | None = None, clock: Callable[[], float] = time.time
+    ):
+        self.path, self.main, self.clock = Path(output_dir) / LEDGER, main, clock
+        self.launch_start = process_start() if launch_start is None else launch_start
+        self.kept = dict.fromkeys(KEPT, 0.0)  # the history of the resumed weights, before this launch
+        self.first_launch = self.launch_start
+        self.loop_start: float | None = None  # this launch's first step (or its last rollback)
+        self.own_startup = 0.0  # this launch's start-up, once its first step began
+        self.stalls = {"checkpoint": 0.0, "eval": 0.0}  # this launch's, inside the loop
+
+    def resume(self, manifest: dict) -> None:
+        """The ledger of the checkpoint resumed from (if any), and what goodput.json says of earlier launches."""
+        earlier = read_ledger(self.path)
+        if "goodput" in manifest:
+            ledger = manifest["goodput"]
+            self.first_launch = ledger["first_launch"]
+            self.kept = {k: float(ledger.get(k, 0.0)) for k in KEPT}
+        elif earlier:  # launches that never reached a checkpoint: the run began with the first of them
+            self.first_launch = min(self.first_launch, earlier["first_launch"])
+        if earlier and earlier.get("last_alive") and earlier["first_launch"] == self.first_launch:
+            self.kept["restart"] += max(0.0, self.launch_start - earlier["last_alive"])
+
+    def rolled_back(self, manifest: dict) -> None:
+        """A rollback to `manifest`'s checkpoint: the steps since are undone (lost), the stalls of this launch stay."""
+        ledger = manifest.get("goodput")
+        if ledger:
+            self.kept = {k: float(ledger.get(k, 0.0)) for k in KEPT}
+            self.loop_start = self.clock()
+            self.stalls = {"checkpoint": 0.0, "eval": 0.0}
+            self.own_startup = 0.0  # in the checkpoint's ledger if that checkpoint is this launch's, else lost
+
+    def first_step(self) -> None:
+        """Called as the first step of this launch begins: start-up ends."""
+        if self.loop_start is None:
+            self.loop_start = self.clock()
+            self.own_startup = self.loop_start - self.launch_start
+
+    @contextlib.contextmanager
+    def stall(self, kind: str) -> Iterator[None]:
+        """Time spent inside on a save or an evaluation."""
+        start = self.clock()
+        try:
+            yield
+        finally:
+            self.stalls[kind] += self.clock() - start
+
+    def ledger(self, now: float | None = None) -> dict[str, float]:
+        """The kept history as of `now` (default: the clock's now): what a checkpoint written then carries."""
+        now = self.clock() if now is None else now
+        out = {"first_launch": self.first_launch, **self.kept}
+        if self.loop_start is not None:
+            out["startup"] += self.own_startup
+            loop = now - self.loop_start
+            out["checkpoint"] += self.stalls["checkpoint"]
+            out["eval"] += self.stalls["eval"]
+            out["train"] += max(0.0, loop - self.stalls["checkpoint"] - self.stalls["eval"])
+        else:
+            out["startup"] += now - self.launch_start
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        """goodput/ettr, goodput/wall_seconds and goodput/<part>_seconds for every part, `lost` included."""
+        now = self.clock()
+        ledger = self.ledger(now)
+        wall = max(now - ledger["first_launch"], 1e-9)
+        parts = {k: ledger[k] for k in KEPT}
+        parts["lost"] = max(0.0, wall - sum(parts.values()))
+        return {
+            "goodput/ettr": parts["train"] / wall,
+            "goodput/wall_seconds": wall,
+            **{f"goodput/{k}_seconds": v for k, v in parts.items()},
+        }
+
+    def alive(self) -> None:
+        """Rank 0, at every log: goodput.json's first launch and last sign of life (best effort: never stops training)."""
+        if not self.main:
+            return
+        with contextlib.suppress(OSError):
+            atomic_write_text(self.path, json.dumps({"first_launch": self.first_launch, "last_alive": self.clock()}))
+
+
+def read_ledger(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def summary(metrics: dict[str, float]) -> str:
+    """`ETTR 0.93 (train 93%, start-up 4%, ...)`: the run's last line."""
+    wall = metrics["goodput/wall_seconds"]
+    names = {"train": "train", "startup": "start-up", "checkpoint": "checkpoints", "eval": "eval", "restart": "restarts", "lost": "lost"}
+    parts = ", ".join(f"{label} {100 * metrics[f'goodput/{k}_seconds'] / wall:.0f}%" for k, label in names.items())
+    return f"goodput: ETTR {metrics['goodput/ettr']:.2f} of {wall:.0f}s since the first launch ({parts})"

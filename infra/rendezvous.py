@@ -1,0 +1,112 @@
+"""Several machines: the rendezvous every launch of `python -m infra.launch` asks for, and the checks before it.
+
+- Node 0 serves torch elastic's rendezvous store at `main_process_ip:main_process_port`: that address must be its own.
+- Every other node must reach it. It is waited for (up to INFRA_RENDEZVOUS_TIMEOUT seconds, default 300: schedulers
+  start the nodes of a job seconds or minutes apart), then the launch stops in one line naming the address and this host,
+  instead of torch elastic's wait of many minutes on an address that never answers.
+- The rendezvous: c10d, with a store of its own for every attempt of an in-job restart (see infra.launch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+
+TIMEOUT_ENV = "INFRA_RENDEZVOUS_TIMEOUT"
+# torch elastic's agent talks to the rendezvous store with a 60 s timeout by default, and closes the rendezvous within
+# 30 s when its workers stop: over a dead link its exit waited that long, several times. Healthy store requests take
+# milliseconds.
+RDZV_CONF = "read_timeout=10,close_timeout=10"
+
+
+def flag(args: list[str], name: str) -> str | None:
+    """The value of `--name VALUE` or `--name=VALUE` among the launcher's arguments (None if absent)."""
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def setting(args: list[str], name: str, default):
+    """A launcher setting: `--name` on the command line, else the config file's `name`, else `default`."""
+    if (given := flag(args, f"--{name}")) is not None:
+        return given
+    if (config := flag(args, "--config_file")) is not None:
+        import yaml
+
+        with contextlib.suppress(OSError, ValueError, TypeError, AttributeError), open(config) as f:
+            value = yaml.safe_load(f).get(name)
+            if value is not None:
+                return value
+    return default
+
+
+def machines(args: list[str]) -> int:
+    return int(setting(args, "num_machines", 1))
+
+
+def with_rendezvous(args: list[str]) -> list[str]:
+    """Across machines, the c10d rendezvous with a store per attempt (see infra.launch), unless asked otherwise."""
+    if machines(args) <= 1 or flag(args, "--rdzv_backend") is not None:
+        return args
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    conf = [] if flag(args, "--rdzv_conf") is not None else ["--rdzv_conf", RDZV_CONF]
+    return ["--rdzv_backend", "c10d", *conf, *args]
+
+
+def local_addresses() -> set[str]:
+    import psutil
+
+    return {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET}
+
+
+def node_problem(args: list[str], timeout: float | None = None) -> str | None:
+    """Why this machine cannot join the launch (one line), or None."""
+    if machines(args) <= 1:
+        return None
+    ip, port = str(setting(args, "main_process_ip", "127.0.0.1")), int(setting(args, "main_process_port", 29500))
+    rank, host = int(setting(args, "machine_rank", 0)), socket.gethostname()
+    try:
+        address = socket.gethostbyname(ip)
+    except OSError:
+        return f"main_process_ip={ip} does not resolve on {host}"
+    if rank == 0:
+        mine = local_addresses()
+        if address not in mine:
+            return (
+                f"main_process_ip={ip} is not an address of this machine ({host}: {', '.join(sorted(mine))}); machine_rank 0 "
+                "serves the rendezvous there, so it must run on the machine with that address"
+            )
+        return None
+    timeout = float(os.environ.get(TIMEOUT_ENV, 300)) if timeout is None else timeout
+    return (
+        None
+        if reachable(address, port, timeout, host)
+        else (
+            f"node 0 at main_process_ip={ip} port {port} did not answer from {host} (machine_rank {rank}) within {timeout:g}s: "
+            f"is machine_rank 0 started, is the address right, is the port open? ({TIMEOUT_ENV} sets the wait)"
+        )
+    )
+
+
+def reachable(address: str, port: int, timeout: float, host: str) -> bool:
+    """True once a TCP connection to address:port succeeds; False after `timeout` seconds, saying so every 30 s."""
+    start = time.monotonic()
+    said = 0
+    while True:
+        left = timeout - (time.monotonic() - start)
+        if left <= 0:
+            return False
+        try:
+            with socket.create_connection((address, port), timeout=min(5.0, left)):
+                return True
+        except OSError:
+            waited = time.monotonic() - start
+            if waited - said >= 30:
+                said = waited
+                print(f"launch: {host} waiting for node 0 at {address}:{port} ({waited:.0f}s of {timeout:g}s)", flush=True)
+            time.sleep(min(1.0, max(0.0, timeout - (time.monotonic() - start))))
