@@ -16,7 +16,7 @@ EXPERIMENT ?= $(RECIPE)
 MLFLOW_DB := sqlite:///$(CURDIR)/mlflow.db
 
 .DEFAULT_GOAL := help
-.PHONY: help setup data train doctor test test-all ui compare plan bench gpu-check lint format clean
+.PHONY: help setup data train doctor test test-all ui compare plan bench chaos gpu-check lint format clean
 
 help:  ## list the targets and the recipes
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -82,6 +82,9 @@ bench: data  ## benchmarks, as ratios to anchors measured in the same run (data,
 	$(BIN)/python benchmarks/recipe_overhead.py
 	$(BIN)/python benchmarks/packing.py
 	$(BIN)/python benchmarks/levers.py
+
+chaos: data  ## two hosts (network namespaces, root) under a fault every ~2 min for 15 min: measured goodput against the planner's (ARGS="--minutes 8")
+	$(BIN)/python benchmarks/chaos.py $(ARGS)
 
 gpu-check: setup  ## on a GPU machine: the 125m and 1b presets (compile, checkpointing), then every GPU config x every recipe: tokens/s, MFU (< 10 min)
 	$(BIN)/python benchmarks/gpu_check.py $(ARGS)

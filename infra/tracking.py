@@ -171,8 +171,10 @@ class MetricLogger:
             self._thread = threading.Thread(target=self._send_loop, name="mlflow-metrics", daemon=True)
             self._thread.start()
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        if self._thread is None or step <= self.logged_through:
+    def log(self, metrics: dict[str, float], step: int, again: bool = False) -> None:
+        """Queue `metrics` at `step`; a step the run already has is skipped unless `again` (values that differ when a step
+        is done again, such as goodput's)."""
+        if self._thread is None or (step <= self.logged_through and not again):
             return
         from mlflow.entities import Metric
 

@@ -548,7 +548,7 @@ class Trainer:
     def log(self, result: StepResult) -> None:
         state = self.state
         logged, mean_loss = self.metrics.collect(self.scheduler.get_last_lr()[0], state.tokens_seen, self.cursor.epoch, result.grad_norm)
-        logged |= self.goodput.metrics()
+        self.tracker.log(self.goodput.metrics(), step=state.step, again=True)  # a step done again after a fault cost more
         self.goodput.alive()
         if isinstance(self.cursor, MixtureCursor):  # what each source gave so far: known from the position, no collective
             for name, samples in self.cursor.taken().items():
@@ -649,7 +649,7 @@ class Trainer:
         self.checkpoints.close()  # the last upload done
         self.watchdog.stop()
         goodput = self.goodput.metrics()
-        self.tracker.log(goodput, step=state.step)
+        self.tracker.log(goodput, step=state.step, again=True)
         self.goodput.alive()
         self.tracker.close()
         if stop is None and self.args.log_model:
