@@ -15,10 +15,6 @@ import socket
 import time
 
 TIMEOUT_ENV = "INFRA_RENDEZVOUS_TIMEOUT"
-# torch elastic's agent talks to the rendezvous store with a 60 s timeout by default, and closes the rendezvous within
-# 30 s when its workers stop: over a dead link its exit waited that long, several times. Healthy store requests take
-# milliseconds.
-RDZV_CONF = "read_timeout=10,close_timeout=10"
 
 
 def flag(args: list[str], name: str) -> str | None:
@@ -54,8 +50,7 @@ def with_rendezvous(args: list[str]) -> list[str]:
     if machines(args) <= 1 or flag(args, "--rdzv_backend") is not None:
         return args
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    conf = [] if flag(args, "--rdzv_conf") is not None else ["--rdzv_conf", RDZV_CONF]
-    return ["--rdzv_backend", "c10d", *conf, *args]
+    return ["--rdzv_backend", "c10d", *args]
 
 
 def local_addresses() -> set[str]:
