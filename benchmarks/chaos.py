@@ -175,16 +175,23 @@ def main() -> None:
     recovered = [f for f in faults if "trained" in f]
     restart = statistics.mean(f["trained"] - f["at"] for f in recovered) if recovered else 0.0
     train_minutes = m["goodput/train_seconds"] / 60
-    predicted = train_minutes / expected_wall_minutes(
-        train_minutes, m["interval_minutes"], m["save_seconds"] / 60, restart / 60, a.fault_minutes
-    )
     wall = m["goodput/wall_seconds"]
+
+    def planner(mtbf_minutes: float) -> float:
+        cost = expected_wall_minutes(train_minutes, m["interval_minutes"], m["save_seconds"] / 60, restart / 60, mtbf_minutes)
+        return train_minutes / cost
+
+    rates = [(f"the rate asked (one every {a.fault_minutes:g} min)", a.fault_minutes)]
+    if faults:
+        realized = wall / 60 / len(faults)
+        rates.insert(0, (f"the faults' realized rate (one every {realized:.1f} min)", realized))
     print(f"\nchaos: {wall / 60:.1f} min, {len(faults)} faults recovered ({', '.join(f['kind'] for f in faults)}), {launches} launches")
     parts = ", ".join(f"{k} {m[f'goodput/{k}_seconds'] / wall:.0%}" for k in ("train", "startup", "checkpoint", "restart", "lost"))
     print(f"measured ETTR   {m['goodput/ettr']:.3f}  ({parts})")
+    predictions = ", ".join(f"{planner(mtbf):.3f} at {label}" for label, mtbf in rates)
     print(
-        f"planner         {predicted:.3f}  (save {m['save_seconds']:.2f}s every {m['interval_minutes']:.2f} min, "
-        f"fault to next kept step {restart:.1f}s, a fault every {a.fault_minutes:g} min)"
+        f"planner         {predictions}; save {m['save_seconds']:.2f}s every {m['interval_minutes']:.2f} min, "
+        f"fault to next kept step {restart:.1f}s"
     )
     print("\nfault   to exit   relaunch   start-up   to the next kept step (s)")
     for f in recovered:
