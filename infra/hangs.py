@@ -185,7 +185,7 @@ class Watchdog:
         """A collective that fails inside because a peer is gone, or timed out, ends the process in one line."""
         try:
             yield
-        except Exception as err:
+        except RuntimeError as err:  # what torch.distributed raises (DistError and its kinds); a data timeout is not one
             text = str(err)
             if self.store is None or not (RESET.search(text) or "timed out" in text.lower() or "timeout" in text.lower()):
                 raise

@@ -107,3 +107,16 @@ def test_forensics_hold_the_line_the_last_collective_and_every_threads_stack(tmp
     assert path.name == "step00000007_rank0_h0.txt"
     assert "last collective entered: the step agreement's all-reduce (step 8)" in text and "--- thread MainThread" in text
     assert "test_forensics_hold_the_line" in text  # this thread's own frame
+
+
+def test_only_a_collectives_error_is_taken_for_a_lost_peer(tmp_path, monkeypatch):
+    dog = watchdog(tmp_path, Store({}))
+    fired = []
+    monkeypatch.setattr(dog, "fire", lambda finding, join: fired.append(finding))
+    with pytest.raises(TimeoutError), dog.explaining():  # a read from object storage that timed out: the data's own error
+        raise TimeoutError("read timed out")
+    with pytest.raises(ValueError), dog.explaining():
+        raise ValueError("no such column")
+    with dog.explaining():
+        raise RuntimeError("[pair.cc:553] Connection closed by peer [10.0.0.2]:41235")
+    assert [f["lost"] for f in fired] == [[{"rank": 1, "host": "h1"}, {"rank": 2, "host": "h1"}]]
