@@ -29,8 +29,6 @@ from pathlib import Path
 
 import psutil
 
-from infra.files import atomic_write_text
-
 LEDGER = "goodput.json"
 KEPT = ("train", "startup", "checkpoint", "eval", "restart")  # carried in checkpoints; `lost` is the remainder
 
@@ -118,11 +116,15 @@ class Goodput:
         }
 
     def alive(self) -> None:
-        """Rank 0, at every log: goodput.json's first launch and last sign of life (best effort: never stops training)."""
+        """Rank 0, at every log: goodput.json's first launch and last sign of life. Best effort and not fsynced (a
+        rename of a small file; an fsync at every log would wait on a network filesystem): a host that loses power may
+        lose the last few signs of life, counted as lost instead of restart."""
         if not self.main:
             return
+        tmp = self.path.with_name(LEDGER + ".tmp")
         with contextlib.suppress(OSError):
-            atomic_write_text(self.path, json.dumps({"first_launch": self.first_launch, "last_alive": self.clock()}))
+            tmp.write_text(json.dumps({"first_launch": self.first_launch, "last_alive": self.clock()}))
+            os.replace(tmp, self.path)
 
 
 def read_ledger(path: Path) -> dict | None:
