@@ -48,6 +48,7 @@ class Goodput:
         self.launch_start = process_start() if launch_start is None else launch_start
         self.kept = dict.fromkeys(KEPT, 0.0)  # the history of the resumed weights, before this launch
         self.first_launch = self.launch_start
+        self.idle = 0.0  # between a launch that finished and one that continued the run: not part of its wall time
         self.loop_start: float | None = None  # this launch's first step (or its last rollback)
         self.own_startup = 0.0  # this launch's start-up, once its first step began
         self.stalls = {"checkpoint": 0.0, "eval": 0.0}  # this launch's, inside the loop
@@ -58,11 +59,16 @@ class Goodput:
         if "goodput" in manifest:
             ledger = manifest["goodput"]
             self.first_launch = ledger["first_launch"]
+            self.idle = float(ledger.get("idle", 0.0))
             self.kept = {k: float(ledger.get(k, 0.0)) for k in KEPT}
         elif earlier:  # launches that never reached a checkpoint: the run began with the first of them
             self.first_launch = min(self.first_launch, earlier["first_launch"])
         if earlier and earlier.get("last_alive") and earlier["first_launch"] == self.first_launch:
-            self.kept["restart"] += max(0.0, self.launch_start - earlier["last_alive"])
+            gap = max(0.0, self.launch_start - earlier["last_alive"])
+            if earlier.get("finished"):  # a finished run continued later (a larger max_steps): no fault cost that time
+                self.idle += gap
+            else:
+                self.kept["restart"] += gap
 
     def rolled_back(self, manifest: dict) -> None:
         """A rollback to `manifest`'s checkpoint: the steps since are undone (lost), the stalls of this launch stay."""
@@ -91,7 +97,7 @@ class Goodput:
     def ledger(self, now: float | None = None) -> dict[str, float]:
         """The kept history as of `now` (default: the clock's now): what a checkpoint written then carries."""
         now = self.clock() if now is None else now
-        out = {"first_launch": self.first_launch, **self.kept}
+        out = {"first_launch": self.first_launch, "idle": self.idle, **self.kept}
         if self.loop_start is not None:
             out["startup"] += self.own_startup
             loop = now - self.loop_start
@@ -106,7 +112,7 @@ class Goodput:
         """goodput/ettr, goodput/wall_seconds and goodput/<part>_seconds for every part, `lost` included."""
         now = self.clock()
         ledger = self.ledger(now)
-        wall = max(now - ledger["first_launch"], 1e-9)
+        wall = max(now - ledger["first_launch"] - ledger["idle"], 1e-9)
         parts = {k: ledger[k] for k in KEPT}
         parts["lost"] = max(0.0, wall - sum(parts.values()))
         return {
@@ -115,7 +121,7 @@ class Goodput:
             **{f"goodput/{k}_seconds": v for k, v in parts.items()},
         }
 
-    def alive(self) -> None:
+    def alive(self, finished: bool = False) -> None:
         """Rank 0, at every log: goodput.json's first launch and last sign of life. Best effort and not fsynced (a
         rename of a small file; an fsync at every log would wait on a network filesystem): a host that loses power may
         lose the last few signs of life, counted as lost instead of restart."""
@@ -123,7 +129,7 @@ class Goodput:
             return
         tmp = self.path.with_name(LEDGER + ".tmp")
         with contextlib.suppress(OSError):
-            tmp.write_text(json.dumps({"first_launch": self.first_launch, "last_alive": self.clock()}))
+            tmp.write_text(json.dumps({"first_launch": self.first_launch, "last_alive": self.clock(), "finished": finished}))
             os.replace(tmp, self.path)
 
 

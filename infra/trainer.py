@@ -650,7 +650,7 @@ class Trainer:
         self.watchdog.stop()
         goodput = self.goodput.metrics()
         self.tracker.log(goodput, step=state.step, again=True)
-        self.goodput.alive()
+        self.goodput.alive(finished=stop is None)
         self.tracker.close()
         if stop is None and self.args.log_model:
             self.exporter.log_to_mlflow(self.args.register_model)

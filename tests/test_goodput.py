@@ -28,7 +28,8 @@ def test_a_crash_loses_what_was_trained_after_the_checkpoint_and_a_restart_is_co
         clock.now = 1065.0
     clock.now = 1105.0
     first.alive()
-    assert manifest["goodput"] == {"first_launch": 1000.0, "train": 50.0, "startup": 10.0, "checkpoint": 0.0, "eval": 0.0, "restart": 0.0}
+    ledger = {"first_launch": 1000.0, "idle": 0.0, "train": 50.0, "startup": 10.0, "checkpoint": 0.0, "eval": 0.0, "restart": 0.0}
+    assert manifest["goodput"] == ledger
     assert first.metrics()["goodput/checkpoint_seconds"] == 5.0 and first.metrics()["goodput/ettr"] == pytest.approx(90 / 105)
 
     # launch 2: starts at 1140 from that checkpoint, first step at 1150, an eval of 10 s, at 1200 the numbers
@@ -82,3 +83,24 @@ def test_a_rollback_undoes_the_steps_since_its_checkpoint(tmp_path):
     m = g.metrics()
     assert m["goodput/train_seconds"] == 40.0 + 10.0 and m["goodput/startup_seconds"] == 10.0 and m["goodput/lost_seconds"] == 40.0
     assert not (tmp_path / "goodput.json").exists()  # only rank 0 writes it
+
+
+def test_a_finished_run_continued_later_is_not_charged_for_the_wait(tmp_path):
+    """`make train ARGS="--max_steps 400"` a day after the run finished: the day is neither a restart nor lost."""
+    clock = Clock()
+    first = Goodput(tmp_path, main=True, launch_start=1000.0, clock=clock)
+    first.resume({})
+    clock.now = 1010.0
+    first.first_step()
+    clock.now = 1100.0
+    manifest = {"goodput": first.ledger()}
+    first.alive(finished=True)
+    clock.now = 90_000.0
+    later = Goodput(tmp_path, main=True, launch_start=90_000.0, clock=clock)
+    later.resume(manifest)
+    clock.now = 90_010.0
+    later.first_step()
+    clock.now = 90_100.0
+    m = later.metrics()
+    assert m["goodput/wall_seconds"] == 200.0 and m["goodput/restart_seconds"] == 0.0 and m["goodput/lost_seconds"] == 0.0
+    assert m["goodput/ettr"] == pytest.approx(180 / 200)
