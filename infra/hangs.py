@@ -54,7 +54,7 @@ SILENT_AFTER = 4 * STAMP_SECONDS  # a stamp older than this: that rank does not 
 STORE_WAIT = 4.0  # the most the watchdog waits for one store request
 HANGS = "hangs"
 
-RESET = re.compile(r"(?:connection (?:reset|closed) by peer|broken pipe|connection refused)[^\[]*?(?:\[([0-9a-f.:]+)\])?", re.I)
+RESET = re.compile(r"connection (?:reset|closed) by peer|broken pipe|connection refused", re.I)
 ADDRESS = re.compile(r"\[([0-9a-f.:]+)\]:\d+")
 
 
@@ -217,9 +217,10 @@ class Watchdog:
     def from_error(self, text: str) -> dict:
         """A collective's error: a peer that reset its connection (named by its address), or a timeout."""
         if RESET.search(text):
-            address = (ADDRESS.search(text) or RESET.search(text)).group(1)
+            found = ADDRESS.search(text)
+            address = found.group(1) if found else None
             who = [p for p in self.peers if address in p.addresses and p.rank != self.rank]
-            named = ", ".join(map(str, who)) if who else f"the peer at {address}"
+            named = ", ".join(map(str, who)) if who else f"the peer at {address}" if address else "a peer"
             where = f" ({address})" if who else ""
             return self.finding(f"{named}{where} closed its connection: its process died or its host is gone", "connection reset", who)
         return self.silent(time.monotonic() - self._last)

@@ -120,3 +120,8 @@ def test_only_a_collectives_error_is_taken_for_a_lost_peer(tmp_path, monkeypatch
     with dog.explaining():
         raise RuntimeError("[pair.cc:553] Connection closed by peer [10.0.0.2]:41235")
     assert [f["lost"] for f in fired] == [[{"rank": 1, "host": "h1"}, {"rank": 2, "host": "h1"}]]
+
+
+def test_a_reset_without_an_address_names_no_one(tmp_path):
+    finding = watchdog(tmp_path).from_error("Broken pipe")
+    assert finding["lost"] == [] and "a peer closed its connection" in finding["message"]
