@@ -16,6 +16,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, TorchDynamoPlugin
 
+from infra.config import require
 from infra.environment import REPO
 from infra.precision import Precision, PrecisionError, resolve
 
@@ -56,6 +57,7 @@ def build_accelerator(
     # DeepSpeed JIT-builds its CPU ops on first use (~1 min); keep them between runs.
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
 
+    accumulate_for_global_batch(args, launched_world_size())
     timeout = timedelta(seconds=args.ddp_timeout)
     gloo = on_cpu and (launched_world_size() > 1 or fsdp_on_cpu)  # DeepSpeed on CPU needs it; one process no group
     if gloo:
@@ -77,6 +79,17 @@ def build_accelerator(
     check_world(accelerator)
     configure_deepspeed(accelerator, args)
     return accelerator, precision
+
+
+def accumulate_for_global_batch(args: TrainingArguments, processes: int) -> None:
+    """With `global_batch_size` set, the accumulation steps that give it on this many processes: a job that comes back on
+    fewer or more (elastic shrink, a lost node not replaced) trains on the same samples per step."""
+    if not args.global_batch_size:
+        return
+    per_micro_step = args.per_device_train_batch_size * processes
+    accepted = f"a multiple of per_device_train_batch_size x processes = {args.per_device_train_batch_size} x {processes}"
+    require(args.global_batch_size % per_micro_step == 0, "global_batch_size", args.global_batch_size, accepted)
+    args.gradient_accumulation_steps = args.global_batch_size // per_micro_step  # what was given is overridden
 
 
 def group_for_this_attempt(backend: str, timeout: timedelta) -> None:

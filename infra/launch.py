@@ -16,7 +16,8 @@ What a scheduler does to a job, and what each launcher then reports:
   the config file's `rdzv_backend` says (its command-line default wins over the file), and every attempt of an in-job
   restart then shares one store: a restarted rank can read its peer's address of the attempt before and fail to
   connect. This launcher asks for the c10d rendezvous with a store of its own for each attempt, unless
-  `--rdzv_backend` is given (infra.rendezvous).
+  `--rdzv_backend` is given (infra.rendezvous). `--min_machines N` (this launcher's) lets the job shrink to N machines
+  and grow back within one launch (torch elastic's `N:num_machines` nodes).
 
 Otherwise it is `accelerate launch`, with the same arguments. The training processes catch both signals themselves
 (infra.preemption, infra.consensus): a signal that reaches a process twice (the scheduler signals every process, and this
@@ -38,8 +39,8 @@ import threading
 import time
 from pathlib import Path
 
-from infra.hangs import LAUNCH_STATUS_ENV
-from infra.rendezvous import flag, node_problem, with_rendezvous
+from infra.hangs import LAUNCH_STATUS_ENV, PEER_LOST_EXIT_CODE
+from infra.rendezvous import elastic, elastic_problem, flag, node_problem, setting, with_rendezvous
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
 # torchrun's --signals_to_handle (its default read from this variable): torch elastic's agent turns these signals into
@@ -129,12 +130,13 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signum, forward)
     from accelerate.commands.accelerate_cli import main as accelerate
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     args = sys.argv[1:] if argv is None else argv
-    if (problem := node_problem(args)) is not None:
+    if (problem := elastic_problem(args) or node_problem(args)) is not None:
         print(f"launch error: {problem}", file=sys.stderr)
         return 1
-    sys.argv = ["accelerate", "launch", *with_rendezvous(args)]
+    sys.argv = ["accelerate", "launch", *with_rendezvous(elastic(args))]
     if int(flag(args, "--max_restarts") or 0) == 0:
         watch_agent()
     try:
@@ -145,6 +147,14 @@ def main(argv: list[str] | None = None) -> int:
         codes = ", ".join(f"rank {rank} exited with code {exit_code(f.exitcode)}" for rank, f in sorted(err.failures.items()))
         print(f"launch: {codes}", file=sys.stderr)
         return exit_code(err.get_first_failure()[1].exitcode)  # the root cause's; the recipes' agreed exits share one code
+    except RendezvousError as err:  # the agent's store on node 0 is gone (node 0 lost, or the link to it): no group forms
+        where = f"{setting(args, 'main_process_ip', '127.0.0.1')}:{setting(args, 'main_process_port', 29500)}"
+        print(
+            f"launch: the rendezvous at {where} (node 0) cannot be reached ({type(err).__name__}): node 0 is lost or cut off, "
+            "and no group can form without it; start the job again",
+            file=sys.stderr,
+        )
+        return PEER_LOST_EXIT_CODE
     return 0
 
 

@@ -28,7 +28,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from infra.config import require
+from infra.config import ConfigError, require
 from infra.data import DataArguments, PackedDataset, check_fits_model
 from infra.data.mixture import MixtureDataset, Source, parse_sources
 from infra.distributed import LaunchError, build_accelerator
@@ -231,6 +231,8 @@ def start(args: TrainingArguments) -> Accelerator:
         accelerator, precision = build_accelerator(args, log_with, dynamo_plugin(args))
     except LaunchError as err:
         raise SystemExit(f"launch error: {err}") from None
+    except ConfigError as err:  # what depends on the launch: global_batch_size against the processes started
+        raise SystemExit(f"config error: {err}") from None
     accelerator.print(precision)
     set_seed(args.seed)
     return accelerator

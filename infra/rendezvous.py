@@ -5,6 +5,10 @@
   start the nodes of a job seconds or minutes apart), then the launch stops in one line naming the address and this host,
   instead of torch elastic's wait of many minutes on an address that never answers.
 - The rendezvous: c10d, with a store of its own for every attempt of an in-job restart (see infra.launch).
+- Elastic size (`--min_machines N`, this launcher's own flag): torch elastic's `N:num_machines` nodes. A node lost makes
+  the others restart their group without it (once its rendezvous heartbeat has expired and the last call has passed);
+  a node that starts again joins at the restart its arrival causes. Node 0 serves the rendezvous: losing it ends the
+  job (the scheduler starts it again).
 """
 
 from __future__ import annotations
@@ -51,6 +55,54 @@ def with_rendezvous(args: list[str]) -> list[str]:
         return args
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     return ["--rdzv_backend", "c10d", *args]
+
+
+MIN_MACHINES = "--min_machines"
+
+
+def without(args: list[str], name: str) -> list[str]:
+    """The launcher's arguments less `--name VALUE` / `--name=VALUE`."""
+    out, skip = [], False
+    for i, arg in enumerate(args):
+        if skip:
+            skip = False
+        elif arg == name and i + 1 < len(args):
+            skip = True
+        elif not arg.startswith(name + "="):
+            out.append(arg)
+    return out
+
+
+def elastic_problem(args: list[str]) -> str | None:
+    """Why `--min_machines` cannot be used as given (one line), or None."""
+    given, most = flag(args, MIN_MACHINES), machines(args)
+    if given is None:
+        return None
+    if not given.isdigit() or not 1 <= int(given) <= most:
+        return f"min_machines={given} is not valid: expected an integer from 1 to num_machines={most}"
+    if int(given) < most and int(flag(args, "--max_restarts") or 0) == 0:
+        return f"min_machines={given} needs --max_restarts >= 1: the job shrinks and grows again by restarting its group"
+    if int(given) < most and (flag(args, "--rdzv_backend") or "c10d") != "c10d":
+        return f"min_machines={given} needs the c10d rendezvous, not --rdzv_backend {flag(args, '--rdzv_backend')}"
+    return None
+
+
+def elastic(args: list[str]) -> list[str]:
+    """Ask torch elastic for `min_machines:num_machines` nodes; the arguments for accelerate launch (which has no such
+    flag: it gives torch elastic `nnodes=num_machines`)."""
+    least = flag(args, MIN_MACHINES)
+    if least is None:
+        return args
+    import torch.distributed.run as elastic_run
+
+    run = elastic_run.run
+
+    def run_between(launch_args):
+        launch_args.nnodes = f"{least}:{launch_args.nnodes}"
+        return run(launch_args)
+
+    elastic_run.run = run_between  # what accelerate's launchers call, looked up at the call
+    return without(args, MIN_MACHINES)
 
 
 def local_addresses() -> set[str]:

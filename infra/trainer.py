@@ -81,6 +81,14 @@ class LoopConfig:
     max_steps: int = field(default=200, metadata={"help": "Optimizer steps to train for."})
     per_device_train_batch_size: int = field(default=8, metadata={"help": "Samples per process per micro-step."})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-steps per optimizer step."})
+    global_batch_size: int = field(
+        default=0,
+        metadata={
+            "help": "Samples per optimizer step over every process. When set, it decides gradient_accumulation_steps at "
+            "each launch (global / (per-device batch x processes)), so a job that comes back on fewer or more processes "
+            "keeps its batch. 0: per-device batch x processes x gradient_accumulation_steps."
+        },
+    )
     logging_steps: int = field(default=10, metadata={"help": "Log metrics every N optimizer steps."})
     eval_steps: int = field(
         default=0,
@@ -98,6 +106,7 @@ class LoopConfig:
         ):
             require(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
         require(self.eval_steps >= 0, "eval_steps", self.eval_steps, "an integer >= 0")
+        require(self.global_batch_size >= 0, "global_batch_size", self.global_batch_size, "an integer >= 0 (0: not set)")
         require(
             "://" not in self.output_dir,
             "output_dir",
@@ -425,9 +434,12 @@ class Trainer:
         self.tracker = MetricLogger(self.run_id, f"{args.output_dir}/unsent_metrics.jsonl", logged_through=last_logged_step(self.run_id))
         acc.print(
             f"world size {acc.num_processes} ({acc.distributed_type.value}), "
-            f"{'resumed at step ' + str(state.step) + ' from ' + str(path) if path else 'starting fresh'}, {self.cursor}"
+            f"{'resumed at step ' + str(state.step) + ' from ' + str(path) if path else 'starting fresh'}, "
+            f"{self.loader.global_batch_size * args.gradient_accumulation_steps} samples per step "
+            f"({args.gradient_accumulation_steps} micro-step{'s' if args.gradient_accumulation_steps > 1 else ''}), {self.cursor}"
         )
-        self.trace = SampleTrace(args.output_dir, acc.process_index, state.step) if self.data_args.trace_samples else None
+        traced = self.data_args.trace_samples
+        self.trace = SampleTrace(args.output_dir, acc.process_index, state.step, acc.num_processes) if traced else None
         self.latest = manifest.get("metrics", {})
         self.facts = environment_facts(acc)  # versions, git state: once, not at every save
         self.batches = iter(self.loader)
@@ -543,7 +555,7 @@ class Trainer:
         self.bar.n = self.state.step
         if self.trace:
             self.trace.close()
-            self.trace = SampleTrace(self.args.output_dir, self.accelerator.process_index, self.state.step)
+            self.trace = SampleTrace(self.args.output_dir, self.accelerator.process_index, self.state.step, self.accelerator.num_processes)
 
     def log(self, result: StepResult) -> None:
         state = self.state

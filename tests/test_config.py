@@ -110,6 +110,7 @@ FROZEN_SURFACE = {
         "max_steps": 200,
         "per_device_train_batch_size": 8,
         "gradient_accumulation_steps": 1,
+        "global_batch_size": 0,
         "logging_steps": 10,
         "eval_steps": 0,
         "per_device_eval_batch_size": 8,
@@ -180,3 +181,43 @@ def test_the_command_line_surface_is_frozen():
         (parsed,) = _parse((section,), [])  # every flag parses from nothing to its default
         assert dataclasses.asdict(parsed) == FROZEN_SURFACE[section.__name__]
     assert {f.name for f in dataclasses.fields(TrainingArguments)} == set(resolved(TrainingArguments())["TrainingArguments"])
+
+
+def test_global_batch_size_decides_the_accumulation_for_the_processes_launched():
+    from infra.distributed import accumulate_for_global_batch
+
+    args = TrainingArguments(per_device_train_batch_size=4, gradient_accumulation_steps=3, global_batch_size=16)
+    for processes, steps in ((2, 2), (1, 4), (4, 1)):
+        accumulate_for_global_batch(args, processes)
+        assert args.gradient_accumulation_steps == steps
+    with pytest.raises(ConfigError) as err:
+        accumulate_for_global_batch(args, 3)
+    assert str(err.value) == ("global_batch_size=16 is not valid: expected a multiple of per_device_train_batch_size x processes = 4 x 3")
+    unset = TrainingArguments(per_device_train_batch_size=4, gradient_accumulation_steps=3)
+    accumulate_for_global_batch(unset, 2)
+    assert unset.gradient_accumulation_steps == 3
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--num_machines", "2", "--max_restarts", "3"], None),
+        (["--num_machines", "2", "--min_machines", "1", "--max_restarts", "3"], None),
+        (["--num_machines", "2", "--min_machines=2"], None),  # not elastic: no restart needed
+        (["--num_machines", "2", "--min_machines", "3"], "min_machines=3 is not valid: expected an integer from 1 to num_machines=2"),
+        (["--num_machines", "2", "--min_machines", "x"], "min_machines=x is not valid: expected an integer from 1 to num_machines=2"),
+        (
+            ["--num_machines", "2", "--min_machines", "1"],
+            "min_machines=1 needs --max_restarts >= 1: the job shrinks and grows again by restarting its group",
+        ),
+        (
+            ["--num_machines", "2", "--min_machines", "1", "--max_restarts", "1", "--rdzv_backend", "static"],
+            "min_machines=1 needs the c10d rendezvous, not --rdzv_backend static",
+        ),
+    ],
+)
+def test_min_machines_is_checked_before_the_launch(argv, expected):
+    from infra.rendezvous import elastic_problem, without
+
+    assert elastic_problem(argv) == expected
+    assert without(["--min_machines", "1", "--a", "b", "--min_machines=1", "c"], "--min_machines") == ["--a", "b", "c"]

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from infra.data import DataCursor, DataError, PackedDataset, ResumableLoader, eval_batches
-from infra.data.loader import EpochOrder
+from infra.data.loader import EpochOrder, SampleTrace
 from infra.data.prepare import PrepareArguments, prepare
 from infra.data.shards import INDEX_FILE
 
@@ -413,3 +413,21 @@ def test_shards_on_object_storage_read_through_a_checked_cache(s3, small_data, t
     fs.rm(f"{bucket}/small/{name}")
     with pytest.raises(DataError, match=f"s3://{bucket}/small/{name} is listed in index.json but missing"):
         PackedDataset(url)
+
+
+def test_a_trace_keeps_only_the_history_behind_the_resumed_weights(tmp_path):
+    """Lines past the resumed step are dropped, of this rank's trace and, by rank 0, of the ranks a smaller launch
+    lacks (a job shrunk from 2 processes to 1 does rank 1's steps again on rank 0); a line cut by a kill is dropped."""
+    folder = tmp_path / "trace"
+    folder.mkdir()
+    for rank in (0, 1):
+        lines = [json.dumps({"step": s, "ids": [2 * s + rank]}) for s in range(1, 7)]
+        (folder / f"rank{rank}.jsonl").write_text("\n".join(lines) + '\n{"step": 7, "id')
+    trace = SampleTrace(str(tmp_path), 0, 4, world_size=1)
+    trace.write(5, [10, 11])
+    trace.close()
+    steps = {r: [json.loads(line)["step"] for line in (folder / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)}
+    assert steps == {0: [1, 2, 3, 4, 5], 1: [1, 2, 3, 4]}
+    SampleTrace(str(tmp_path), 1, 2, world_size=2).close()  # a rank other than 0 cuts only its own
+    assert len((folder / "rank0.jsonl").read_text().splitlines()) == 5
+    assert len((folder / "rank1.jsonl").read_text().splitlines()) == 2

@@ -32,24 +32,37 @@ PORT = 29500
 class Job:
     """One launch of the 2-host job (`python -m infra.launch`, one process per host), its logs and its processes."""
 
-    def __init__(self, hosts: Hosts, data: Path, tmp: Path, name: str, faults: dict | None = None, restarts: int = 0):
-        self.hosts, self.tmp, self.out, self.name = hosts, tmp, tmp / "out", name
-        self.procs = []
-        for rank in (0, 1):
-            cmd, env = launch_command(
-                "multi_node.yaml",
-                recipe_args(data, self.out, 2 * STEPS),
-                tmp,
-                num_processes=2,
-                port=PORT,
-                launcher=(sys.executable, "-m", "infra.launch"),
-                launcher_args=(
-                    *("--num_machines", "2", "--machine_rank", str(rank), "--main_process_ip", hosts.addresses[0]),
-                    *("--max_restarts", str(restarts)),
-                ),
-                env={FAULTS_ENV: json.dumps(faults)} if faults else None,
-            )
-            self.procs.append(hosts.popen(rank, cmd, env, self.log_path(rank), cwd=REPO))
+    def __init__(
+        self,
+        hosts: Hosts,
+        data: Path,
+        tmp: Path,
+        name: str,
+        faults: dict | None = None,
+        restarts: int = 0,
+        launcher_args: tuple[str, ...] = (),
+        extra: tuple[str, ...] = (),
+    ):
+        self.hosts, self.data, self.tmp, self.out, self.name = hosts, data, tmp, tmp / "out", name
+        self.faults, self.restarts, self.launcher_args, self.extra = faults, restarts, launcher_args, extra
+        self.procs = [self.start(rank) for rank in (0, 1)]
+
+    def start(self, rank: int, log: Path | None = None):
+        """The launcher of host `rank` (again, for a host that comes back)."""
+        cmd, env = launch_command(
+            "multi_node.yaml",
+            recipe_args(self.data, self.out, 2 * STEPS, *self.extra),
+            self.tmp,
+            num_processes=2,
+            port=PORT,
+            launcher=(sys.executable, "-m", "infra.launch"),
+            launcher_args=(
+                *("--num_machines", "2", "--machine_rank", str(rank), "--main_process_ip", self.hosts.addresses[0]),
+                *("--max_restarts", str(self.restarts), *self.launcher_args),
+            ),
+            env={FAULTS_ENV: json.dumps(self.faults)} if self.faults else None,
+        )
+        return self.hosts.popen(rank, cmd, env, log or self.log_path(rank), cwd=REPO)
 
     def log_path(self, host: int) -> Path:
         return self.tmp / f"{self.name}_h{host}.log"
@@ -213,6 +226,79 @@ def test_in_job_restarts_over_two_hosts_recover_every_time(straight, small_data,
 @pytest.mark.slow
 def test_twenty_in_job_restarts_in_a_row_over_two_hosts(straight, small_data, tmp_path):
     restarts_recover(straight, small_data, tmp_path, kills=20)
+
+
+def samples_by_step(out: Path) -> dict[int, list[int]]:
+    """The samples of each step over every rank's trace."""
+    steps: dict[int, list[int]] = {}
+    for path in (out / "trace").glob("rank*.jsonl"):
+        for line in path.read_text().splitlines():
+            steps.setdefault(json.loads(line)["step"], []).extend(json.loads(line)["ids"])
+    return {step: sorted(ids) for step, ids in sorted(steps.items())}
+
+
+def final_loss(tmp: Path) -> float:
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("pretrain_clm").experiment_id])
+    return max(client.get_metric_history(run.info.run_id, "train/loss"), key=lambda m: m.step).value
+
+
+def test_elastic_shrink_goes_on_without_a_lost_host_and_grows_back_when_it_returns(straight, small_data, tmp_path):
+    """Launched for 1 to 2 machines (`--min_machines 1`): host 1 killed, host 0's launcher goes on alone in the same
+    session (world size 1, the global batch kept by 4 micro-steps instead of 2, resumed from the newest checkpoint);
+    host 1 started again joins at the next restart (its arrival restarts the group; the rank on host 0 saves first). Then
+    host 0, which serves the rendezvous, is lost: host 1 ends in one line, and a new launch resumes. Every step trains on
+    the samples of the uninterrupted run, each once, and the run ends near its loss."""
+    out = tmp_path / "out"
+    shrunk = "world size 1 (NO), resumed at step 4"
+    with Hosts(2) as hosts:
+        job = Job(
+            hosts,
+            small_data,
+            tmp_path,
+            "elastic",
+            {"rank": "all", "slow_seconds": 0.25},
+            restarts=3,
+            launcher_args=("--min_machines", "1", "--rdzv_conf", "last_call_timeout=10"),
+            extra=("--global_batch_size", str(2 * 2 * 4), "--gradient_accumulation_steps", "1"),
+        )
+        job.wait_for_checkpoint(4)
+        hosts.kill(1)
+        killed = time.monotonic()
+        assert hosts.wait_quiet(1, 10)
+        end = killed + 120
+        while shrunk not in job.log(0):
+            assert time.monotonic() < end and job.procs[0].poll() is None, f"no shrink\n{job.log(0)[-3000:]}"
+            time.sleep(0.2)
+        shrink_seconds = time.monotonic() - killed
+        job.wait_for_checkpoint(8)  # trained alone
+        job.procs[1] = job.start(1, tmp_path / "elastic_h1_back.log")
+        job.wait_for_checkpoint(16)  # both again
+        # node 0 serves the rendezvous: lost, the job ends (one line), and the next launch resumes
+        hosts.kill(0)
+        assert job.exits_within([1], 30)
+        back = (tmp_path / "elastic_h1_back.log").read_text()
+        assert job.procs[1].returncode == 76, back[-3000:]
+        assert back.strip().splitlines()[-1] == (
+            f"launch: the rendezvous at {hosts.addresses[0]}:{PORT} (node 0) cannot be reached (RendezvousConnectionError): "
+            "node 0 is lost or cut off, and no group can form without it; start the job again"
+        )
+        log = job.log(0)
+        resumed = newest(out)
+        Job(hosts, small_data, tmp_path, "end", extra=("--global_batch_size", "16", "--gradient_accumulation_steps", "1")).finish()
+    assert "world size 2 (MULTI_CPU), starting fresh, 16 samples per step (2 micro-steps)" in log
+    assert f"{shrunk} from {out / 'checkpoints' / 'step_00000004'}, 16 samples per step (4 micro-steps)" in log, log[-3000:]
+    grown = log[log.index(shrunk) :]
+    assert "world size 2 (MULTI_CPU), resumed at step " in grown, grown[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+    assert f"world size 2 (MULTI_CPU), resumed at step {resumed}" in (tmp_path / "end_h0.log").read_text()
+    # every step's samples are the uninterrupted run's, none twice, none left out
+    assert samples_by_step(out) == samples_by_step(straight[0] / "out")
+    # the sums of the shrunk steps run in another order, and dropout draws on another rank's generator
+    assert final_loss(tmp_path) == pytest.approx(final_loss(straight[0]), rel=5e-3)  # 3.6e-4 measured
+    print(f"shrink: host 1 killed -> resumed alone in {shrink_seconds:.0f}s")
 
 
 def test_a_node_that_cannot_join_is_refused_in_one_line_before_anything_is_written(small_data, tmp_path):

@@ -247,13 +247,14 @@ class SampleTrace:
     history that led to the weights, so a loss spike can be traced to its exact batch.
     """
 
-    def __init__(self, output_dir: str, rank: int, resume_step: int):
+    def __init__(self, output_dir: str, rank: int, resume_step: int, world_size: int):
         self.path = Path(output_dir) / "trace" / f"rank{rank}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept = []
-        if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if traced_step(line) <= resume_step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        cut(self.path, resume_step)
+        if rank == 0:  # the ranks a launch on fewer processes lacks wrote steps it does again: no one else cuts them
+            for path in self.path.parent.glob("rank*.jsonl"):
+                if int(path.stem.removeprefix("rank")) >= world_size:
+                    cut(path, resume_step)
         self._file = open(self.path, "a")  # noqa: SIM115 - closed by close()
 
     def write(self, step: int, ids: list[int], sources: list[str] | None = None) -> None:
@@ -266,6 +267,12 @@ class SampleTrace:
 
     def close(self) -> None:
         self._file.close()
+
+
+def cut(path: Path, step: int) -> None:
+    """Drop a trace's lines past `step`."""
+    kept = [line for line in path.read_text().splitlines() if traced_step(line) <= step] if path.exists() else []
+    path.write_text("".join(line + "\n" for line in kept))
 
 
 def traced_step(line: str) -> float:
