@@ -7,9 +7,11 @@ What a cluster does to a job and what each rank sees of it (measured over two ho
   (connection reset)`.
 - a dead link (processes alive, network gone), or a frozen process (SIGSTOP, a hung driver): no error at all. The
   collectives wait for the process group's timeout, and with a dead link a store request may never return. A thread
-  of each rank, the watchdog, ends the process once no step has finished for the step deadline: `ddp_step_timeout`,
-  or by default max(30 s, 5 x the slowest of the recent steps), with the start-up timeout `ddp_timeout` for the first
-  step, saves, loads and evaluations. It never waits on the network for more than a few seconds itself.
+  of each rank, the watchdog, ends the process once no step has finished for the silence deadline, max(10 s, 5 x the
+  slowest of the recent steps), if a peer does not answer (below); else, a step alive but stuck, at the step deadline:
+  `ddp_step_timeout`, or by default max(30 s, 5 x the slowest recent step). The first step, saves, loads and
+  evaluations get the start-up timeout `ddp_timeout` instead. It never waits on the network for more than a few
+  seconds itself.
 
 Before it exits a rank says which rank is silent and why, as far as it can tell from the launcher's key-value store:
 each rank writes its last finished step there after every step, and its watchdog writes a stamp every few seconds
@@ -48,6 +50,7 @@ from infra.files import fsync_dir
 PEER_LOST_EXIT_CODE = 76  # a peer lost or a step hung: the job can go on from its newest checkpoint, with or without that host
 AUTO_FLOOR_SECONDS = 30.0  # ddp_step_timeout 0: never less than this
 AUTO_FACTOR = 5.0  # ... nor less than this x the slowest recent step
+SILENT_FLOOR_SECONDS = 10.0  # a step this late (and AUTO_FACTOR x the slowest) ends here if a peer does not answer
 RECENT_STEPS = 100
 STAMP_SECONDS = 2.0  # how often each rank's watchdog writes its stamp
 SILENT_AFTER = 4 * STAMP_SECONDS  # a stamp older than this: that rank does not answer
@@ -117,6 +120,12 @@ def step_deadline(configured: float, recent: deque) -> float:
     return max(AUTO_FLOOR_SECONDS, AUTO_FACTOR * max(recent, default=0.0))
 
 
+def silence_deadline(configured: float, recent: deque) -> float:
+    """Seconds without a finished step after which a peer that does not answer (stale stamp, or a store out of reach)
+    ends the step: the evidence of a fault that a step merely slow lacks, so it need not wait for the step deadline."""
+    return min(step_deadline(configured, recent), max(SILENT_FLOOR_SECONDS, AUTO_FACTOR * max(recent, default=0.0)))
+
+
 class Watchdog:
     """Each rank's guard against a peer lost or a step that never ends (see the module's docstring).
 
@@ -165,6 +174,11 @@ class Watchdog:
     def deadline(self) -> float:
         return self.start_timeout if (self._relaxed or not self.started) else step_deadline(self.step_timeout, self.recent)
 
+    def silence(self) -> float:
+        """When a late step starts to be checked for a silent peer (not during start-up, saves, loads, evaluations: a
+        peer busy in one may starve its stamp thread)."""
+        return self.start_timeout if (self._relaxed or not self.started) else silence_deadline(self.step_timeout, self.recent)
+
     @contextlib.contextmanager
     def relaxed(self) -> Iterator[None]:
         """The start-up timeout for work that may keep ranks waiting long (a save, a load, an evaluation)."""
@@ -196,9 +210,18 @@ class Watchdog:
     def _watch(self) -> None:
         while not self._stop.wait(1.0):
             self._stamp()
-            idle = time.monotonic() - self._last
-            if idle > self.deadline():
-                self.fire(self.silent(idle), join=True)
+            if (finding := self.check(time.monotonic() - self._last)) is not None:
+                self.fire(finding, join=True)
+
+    def check(self, idle: float) -> dict | None:
+        """What ends the process after `idle` seconds without a finished step, if anything: past the step deadline
+        whatever the store says; past the silence deadline, a peer that does not answer."""
+        if idle > self.deadline():
+            return self.silent(idle, self.deadline())
+        if idle > self.silence():
+            finding = self.silent(idle, self.silence())
+            return finding if finding["fault"] == "no answer" else None
+        return None
 
     def _stamp(self) -> None:
         """Write this rank's stamp unless the last write has not returned yet (a dead link)."""
@@ -223,9 +246,9 @@ class Watchdog:
             named = ", ".join(map(str, who)) if who else f"the peer at {address}" if address else "a peer"
             where = f" ({address})" if who else ""
             return self.finding(f"{named}{where} closed its connection: its process died or its host is gone", "connection reset", who)
-        return self.silent(time.monotonic() - self._last)
+        return self.silent(time.monotonic() - self._last, self.deadline())
 
-    def silent(self, idle: float) -> dict:
+    def silent(self, idle: float, deadline: float) -> dict:
         """No step finished here for `idle` seconds: who does not answer, from the store (a few seconds at most)."""
         ok, found = bounded(self._read_store, STORE_WAIT)
         if not ok:
@@ -235,19 +258,22 @@ class Watchdog:
                 f"{server.host} is lost or frozen, or the link between the hosts is down",
                 "no answer",
                 [p for p in self.peers if p.host == server.host],
-                idle,
+                (idle, deadline),
             )
         steps, stamps, now = found
         silent = [p for p in self.peers if p.rank != self.rank and now - stamps.get(p.rank, 0.0) > SILENT_AFTER]
         if silent:
             ages = ", ".join(f"{p} for {now - stamps[p.rank]:.0f}s" if p.rank in stamps else f"{p} ever" for p in silent)
-            return self.finding(f"no answer from {ages}: frozen, its link down, or its host lost", "no answer", silent, idle)
+            return self.finding(f"no answer from {ages}: frozen, its link down, or its host lost", "no answer", silent, (idle, deadline))
         ahead = max(steps.values(), default=self.step)
         behind = [p for p in self.peers if steps.get(p.rank, -1) < ahead]
         if behind:
             where = ", ".join(f"{p} at step {steps.get(p.rank, -1)}" for p in behind)
-            return self.finding(f"{where} while the others finished step {ahead}: alive but stuck in its step", "hung step", behind, idle)
-        return self.finding(f"every rank is alive and finished step {ahead}, yet step {ahead + 1} does not end", "hung step", [], idle)
+            return self.finding(
+                f"{where} while the others finished step {ahead}: alive but stuck in its step", "hung step", behind, (idle, deadline)
+            )
+        what = f"every rank is alive and finished step {ahead}, yet step {ahead + 1} does not end"
+        return self.finding(what, "hung step", [], (idle, deadline))
 
     def _read_store(self) -> tuple[dict[int, int], dict[int, float], float]:
         n = len(self.peers)
@@ -260,9 +286,10 @@ class Watchdog:
                 stamps[r] = float(self.store.get(self.STAMP.format(r)))
         return steps, stamps, time.time()
 
-    def finding(self, what: str, kind: str, who: list[Peer], idle: float | None = None) -> dict:
+    def finding(self, what: str, kind: str, who: list[Peer], waited: tuple[float, float] | None = None) -> dict:
+        """The stop record and its line; `waited`: (seconds without a step, the deadline passed)."""
         me = self.peers[self.rank]
-        waited = f"no step finished for {idle:.0f}s (deadline {self.deadline():.0f}s); " if idle is not None else ""
+        waited = f"no step finished for {waited[0]:.0f}s (deadline {waited[1]:.0f}s); " if waited is not None else ""
         line = f"peer lost ({kind}): {me}, after step {self.step}: {waited}{what}"
         return {
             "reason": "peer_lost",

@@ -88,7 +88,7 @@ def exit_code(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-AGENT_GRACE_SECONDS = 10.0
+AGENT_GRACE_SECONDS = 5.0
 
 
 def watch_agent() -> None:

@@ -10,7 +10,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from infra.hangs import AUTO_FLOOR_SECONDS, STORE_WAIT, Peer, Watchdog, step_deadline, write_first_stop_record
+from infra.hangs import (
+    AUTO_FLOOR_SECONDS,
+    SILENT_FLOOR_SECONDS,
+    STORE_WAIT,
+    Peer,
+    Watchdog,
+    silence_deadline,
+    step_deadline,
+    write_first_stop_record,
+)
 
 PEERS = [Peer(0, "h0", ("10.0.0.1",)), Peer(1, "h1", ("10.0.0.2", "192.168.5.2")), Peer(2, "h1", ("10.0.0.2", "192.168.5.2"))]
 
@@ -46,6 +55,30 @@ def test_the_step_deadline_follows_the_slowest_recent_step_with_a_floor():
     assert step_deadline(45, deque([100.0])) == 45  # set by hand: as set
 
 
+def test_a_silent_peer_ends_a_late_step_before_the_step_deadline_and_a_slow_step_does_not(tmp_path):
+    """Past the silence deadline (max(10 s, 5 x the slowest step)) a stale stamp or a store out of reach is a fault;
+    a peer alive and merely slow is waited for until the step deadline."""
+    assert silence_deadline(0, deque([0.3] * 50)) == SILENT_FLOOR_SECONDS
+    assert silence_deadline(0, deque([2.0, 12.0, 3.0])) == 60.0  # as the step deadline: the factor decides both
+    assert silence_deadline(5, deque([0.3])) == 5  # a step deadline set by hand below it
+    now = time.time()
+    steps = {f"infra/step/{r}": "7" for r in range(3)}
+    alive = {f"infra/alive/{r}": f"{now}" for r in range(3)}
+    dog = watchdog(tmp_path, Store({**steps, **alive, "infra/alive/1": f"{now - 12}"}))
+    dog.recent.extend([0.3] * 10)
+    assert dog.check(9) is None
+    finding = dog.check(11)
+    assert finding["fault"] == "no answer" and finding["lost"] == [{"rank": 1, "host": "h1"}]
+    assert "no step finished for 11s (deadline 10s); no answer from rank 1 on h1 for 12s" in finding["message"]
+    slow = watchdog(tmp_path, Store({**steps, **alive}))
+    assert slow.check(11) is None and slow.check(29) is None
+    assert slow.check(31)["fault"] == "hung step"
+    with dog.relaxed():  # a save: a peer writing may starve its stamp thread; only the start-up timeout counts
+        assert dog.check(100) is None
+    cut_off = watchdog(tmp_path, Store({}, hang=True), rank=1)
+    assert cut_off.check(11)["message"].endswith("or the link between the hosts is down")
+
+
 def test_saves_loads_and_evaluations_get_the_start_up_timeout(tmp_path):
     dog = watchdog(tmp_path)
     assert dog.deadline() == AUTO_FLOOR_SECONDS
@@ -74,19 +107,19 @@ def test_the_store_tells_a_silent_rank_from_a_stuck_one(tmp_path):
     now = time.time()
     steps = {f"infra/step/{r}": "7" for r in range(3)}
     silent = Store({**steps, "infra/alive/0": f"{now}", "infra/alive/1": f"{now - 40}", "infra/alive/2": f"{now}"})
-    finding = watchdog(tmp_path, silent).silent(35)
+    finding = watchdog(tmp_path, silent).silent(35, 30)
     assert finding["fault"] == "no answer" and finding["lost"] == [{"rank": 1, "host": "h1"}]
     assert "no step finished for 35s (deadline 30s); no answer from rank 1 on h1 for 40s" in finding["message"]
 
     stuck = Store({**steps, "infra/step/2": "6", **{f"infra/alive/{r}": f"{now}" for r in range(3)}})
-    finding = watchdog(tmp_path, stuck).silent(35)
+    finding = watchdog(tmp_path, stuck).silent(35, 30)
     assert finding["fault"] == "hung step" and finding["lost"] == [{"rank": 2, "host": "h1"}]
     assert "rank 2 on h1 at step 6 while the others finished step 7: alive but stuck in its step" in finding["message"]
 
 
 def test_a_store_that_never_answers_is_reported_in_seconds(tmp_path):
     start = time.monotonic()
-    finding = watchdog(tmp_path, Store({}, hang=True), rank=1).silent(31)
+    finding = watchdog(tmp_path, Store({}, hang=True), rank=1).silent(31, 30)
     assert time.monotonic() - start < STORE_WAIT + 1
     assert finding["lost"] == [{"rank": 0, "host": "h0"}]
     assert "the job's store on h0 (rank 0's host) does not answer from h1" in finding["message"]
