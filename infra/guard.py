@@ -6,6 +6,7 @@ Every rank decides from the same agreed flag (StepConsensus), so all skip, roll 
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -17,6 +18,7 @@ from accelerate.utils import DistributedType
 from infra.checkpoint import CheckpointError, CheckpointManager
 from infra.config import require
 from infra.data import DataCursor
+from infra.data.mixture import MixtureCursor
 from infra.recipe import exit_on
 
 
@@ -89,7 +91,7 @@ class NonFiniteGuard:
     def must_act(self) -> bool:
         return self.in_a_row >= self.config.max_bad_steps
 
-    def act(self, state, cursor: DataCursor, relaxed: Callable[[], Any] = contextlib.nullcontext) -> dict[str, Any]:
+    def act(self, state, cursor: DataCursor | MixtureCursor, relaxed: Callable[[], Any] = contextlib.nullcontext) -> dict[str, Any]:
         """Stop (on_bad_steps=stop), or roll back: the newest checkpoint's weights, optimizer and counters, but the data
         cursor stays where it is, so the batches since that checkpoint (the offending ones among them) are skipped.
         Returns the manifest rolled back to."""
@@ -107,9 +109,11 @@ class NonFiniteGuard:
                 f"health error: {c.max_bad_steps} non-finite steps in a row at step {bad_step} and no checkpoint to roll back to"
             )
         state.load_state_dict({**manifest, "skipped_steps": state.skipped_steps, "rollbacks": state.rollbacks + 1})
+        saved = copy.deepcopy(cursor)  # the cursor's own kind (one source or a mixture) at the checkpoint's position
+        saved.load_state_dict(manifest["cursor"])
         self.accelerator.print(
             f"health: {c.max_bad_steps} non-finite steps in a row at step {bad_step}: rolled back to {path.name}; "
-            f"the data from {DataCursor(**manifest['cursor'])} to {position} is skipped"
+            f"the data from {saved} to {position} is skipped"
         )
         self.in_a_row = 0
         return manifest

@@ -17,7 +17,7 @@ import torch
 from infra.health import STRAGGLER_EXIT_CODE
 from infra.testing import FAULTS_ENV
 from tests.conftest import REPO, launch_command, run_launch
-from tests.test_pretrain import global_order, global_sequence, recipe_args, weights
+from tests.test_pretrain import global_order, global_sequence, mixture_args, recipe_args, trace, weights
 
 pytestmark = pytest.mark.multiprocess
 
@@ -56,6 +56,27 @@ def test_non_finite_steps_are_skipped_then_rolled_back_past_the_bad_data(small_d
     assert proc.returncode != 0
     assert "health error: 2 non-finite steps in a row at step 4 (on_bad_steps=stop)" in proc.stderr
     assert not (stop / "final").exists()
+
+
+def test_a_mixture_run_rolls_back_past_the_bad_data_too(tiny_data, small_data, tmp_path):
+    """The rollback with a data_mixture (it crashed naming the skipped data: the message built a single-source cursor from
+    the mixture's saved position). One process, 8 samples per step: bad steps 7-9 roll back to step 4 (position 32), and
+    the data from there to the position reached (72) is skipped; no sample is trained twice."""
+    out = tmp_path / "out"
+    proc = run(
+        mixture_args(tiny_data, small_data, out, 12, (0.7, 0.3), "--max_bad_steps", "3"),
+        tmp_path,
+        {"rank": 0, "nan_batches": [13, 15, 17]},
+        1,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(line for line in proc.stdout.splitlines() if "rolled back to step_00000004" in line)
+    assert "the data from MixtureCursor(position=32, " in line and " to MixtureCursor(position=72, " in line, line
+    steps = trace(out, 0)
+    assert [s["step"] for s in steps] == [step for step in range(1, 13) for _ in range(2)]  # a line per micro-batch
+    ids = [(i, src) for s in steps for i, src in zip(s["ids"], s["sources"], strict=True)]
+    assert len(ids) == len(set(ids)) == 12 * 8
+    assert manifest(out, 12)["rollbacks"] == 1
 
 
 def test_a_slow_rank_is_named_then_the_job_saves_and_exits_with_its_code(small_data, tmp_path):
