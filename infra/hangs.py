@@ -7,7 +7,7 @@ What a cluster does to a job and what each rank sees of it (measured over two ho
   (connection reset)`.
 - a dead link (processes alive, network gone), or a frozen process (SIGSTOP, a hung driver): no error at all. The
   collectives wait for the process group's timeout, and with a dead link a store request may never return. A thread
-  of each rank, the watchdog, ends the process once no step has finished for the silence deadline, max(10 s, 5 x the
+  of each rank, the watchdog, ends the process once no step has finished for the silence deadline, max(8 s, 5 x the
   slowest of the recent steps), if a peer does not answer (below); else, a step alive but stuck, at the step deadline:
   `ddp_step_timeout`, or by default max(30 s, 5 x the slowest recent step). The first step, saves, loads and
   evaluations get the start-up timeout `ddp_timeout` instead. It never waits on the network for more than a few
@@ -50,10 +50,11 @@ from infra.files import fsync_dir
 PEER_LOST_EXIT_CODE = 76  # a peer lost or a step hung: the job can go on from its newest checkpoint, with or without that host
 AUTO_FLOOR_SECONDS = 30.0  # ddp_step_timeout 0: never less than this
 AUTO_FACTOR = 5.0  # ... nor less than this x the slowest recent step
-SILENT_FLOOR_SECONDS = 10.0  # a step this late (and AUTO_FACTOR x the slowest) ends here if a peer does not answer
 RECENT_STEPS = 100
 STAMP_SECONDS = 2.0  # how often each rank's watchdog writes its stamp
 SILENT_AFTER = 4 * STAMP_SECONDS  # a stamp older than this: that rank does not answer
+# a step this late (and AUTO_FACTOR x the slowest) ends if a peer does not answer: no stamp is stale before this anyway
+SILENT_FLOOR_SECONDS = SILENT_AFTER
 STORE_WAIT = 4.0  # the most the watchdog waits for one store request
 HANGS = "hangs"
 
@@ -147,6 +148,7 @@ class Watchdog:
         self._last = time.monotonic()
         self._fired = threading.Lock()
         self._pending_stamp = False
+        self._asked = -float("inf")  # when the store was last asked whether every peer answers
         self.on_exit: Callable[[str], None] | None = None  # set by the Trainer: what else to do before the exit
         self.store = None
         if accelerator.num_processes > 1:
@@ -218,7 +220,8 @@ class Watchdog:
         whatever the store says; past the silence deadline, a peer that does not answer."""
         if idle > self.deadline():
             return self.silent(idle, self.deadline())
-        if idle > self.silence():
+        if idle > self.silence() and time.monotonic() - self._asked >= STAMP_SECONDS:  # every rank asks; not too often
+            self._asked = time.monotonic()
             finding = self.silent(idle, self.silence())
             return finding if finding["fault"] == "no answer" else None
         return None
@@ -276,14 +279,20 @@ class Watchdog:
         return self.finding(what, "hung step", [], (idle, deadline))
 
     def _read_store(self) -> tuple[dict[int, int], dict[int, float], float]:
-        n = len(self.peers)
-        steps, stamps = {}, {}
+        """Every rank's step and stamp: in one request (every rank asks, a thousand ranks share the store), else key by
+        key when one is missing (a rank that has not finished a step or written a stamp yet)."""
+        ranks = range(len(self.peers))
+        keys = [self.STEP.format(r) for r in ranks] + [self.STAMP.format(r) for r in ranks]
         self.store.set_timeout(timedelta(seconds=1))  # a key never written must not keep us waiting
-        for r in range(n):
-            with contextlib.suppress(Exception):
-                steps[r] = int(self.store.get(self.STEP.format(r)))
-            with contextlib.suppress(Exception):
-                stamps[r] = float(self.store.get(self.STAMP.format(r)))
+        try:
+            values = dict(zip(keys, self.store.multi_get(keys), strict=True))
+        except Exception:
+            values = {}
+            for key in keys:
+                with contextlib.suppress(Exception):
+                    values[key] = self.store.get(key)
+        steps = {r: int(values[self.STEP.format(r)]) for r in ranks if self.STEP.format(r) in values}
+        stamps = {r: float(values[self.STAMP.format(r)]) for r in ranks if self.STAMP.format(r) in values}
         return steps, stamps, time.time()
 
     def finding(self, what: str, kind: str, who: list[Peer], waited: tuple[float, float] | None = None) -> dict:

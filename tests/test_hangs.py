@@ -56,8 +56,8 @@ def test_the_step_deadline_follows_the_slowest_recent_step_with_a_floor():
 
 
 def test_a_silent_peer_ends_a_late_step_before_the_step_deadline_and_a_slow_step_does_not(tmp_path):
-    """Past the silence deadline (max(10 s, 5 x the slowest step)) a stale stamp or a store out of reach is a fault;
-    a peer alive and merely slow is waited for until the step deadline."""
+    """Past the silence deadline (max(8 s, 5 x the slowest step)) a stale stamp or a store out of reach is a fault;
+    a peer alive and merely slow is waited for until the step deadline. The store is asked at most every 2 s."""
     assert silence_deadline(0, deque([0.3] * 50)) == SILENT_FLOOR_SECONDS
     assert silence_deadline(0, deque([2.0, 12.0, 3.0])) == 60.0  # as the step deadline: the factor decides both
     assert silence_deadline(5, deque([0.3])) == 5  # a step deadline set by hand below it
@@ -66,12 +66,15 @@ def test_a_silent_peer_ends_a_late_step_before_the_step_deadline_and_a_slow_step
     alive = {f"infra/alive/{r}": f"{now}" for r in range(3)}
     dog = watchdog(tmp_path, Store({**steps, **alive, "infra/alive/1": f"{now - 12}"}))
     dog.recent.extend([0.3] * 10)
-    assert dog.check(9) is None
-    finding = dog.check(11)
+    assert dog.check(7) is None
+    finding = dog.check(9)
     assert finding["fault"] == "no answer" and finding["lost"] == [{"rank": 1, "host": "h1"}]
-    assert "no step finished for 11s (deadline 10s); no answer from rank 1 on h1 for 12s" in finding["message"]
+    assert "no step finished for 9s (deadline 8s); no answer from rank 1 on h1 for 12s" in finding["message"]
+    assert dog.check(10) is None  # asked a moment ago
     slow = watchdog(tmp_path, Store({**steps, **alive}))
-    assert slow.check(11) is None and slow.check(29) is None
+    assert slow.check(11) is None
+    slow._asked -= 2.0
+    assert slow.check(29) is None  # asked again: every peer answers
     assert slow.check(31)["fault"] == "hung step"
     with dog.relaxed():  # a save: a peer writing may starve its stamp thread; only the start-up timeout counts
         assert dog.check(100) is None
@@ -115,6 +118,25 @@ def test_the_store_tells_a_silent_rank_from_a_stuck_one(tmp_path):
     finding = watchdog(tmp_path, stuck).silent(35, 30)
     assert finding["fault"] == "hung step" and finding["lost"] == [{"rank": 2, "host": "h1"}]
     assert "rank 2 on h1 at step 6 while the others finished step 7: alive but stuck in its step" in finding["message"]
+
+
+def test_the_store_is_read_in_one_request_when_every_key_is_there(tmp_path):
+    class OneRequest(Store):
+        def __init__(self, values):
+            super().__init__(values)
+            self.requests = 0
+
+        def multi_get(self, keys):
+            self.requests += 1
+            return [self.get(key) for key in keys]  # a missing key raises, as the real one does after its timeout
+
+    now = time.time()
+    full = OneRequest({**{f"infra/step/{r}": "7" for r in range(3)}, **{f"infra/alive/{r}": f"{now}" for r in range(3)}})
+    steps, stamps, _ = watchdog(tmp_path, full)._read_store()
+    assert full.requests == 1 and steps == {0: 7, 1: 7, 2: 7} and set(stamps) == {0, 1, 2}
+    partial = OneRequest({"infra/step/0": "7", "infra/alive/0": f"{now}", "infra/alive/2": f"{now}"})
+    steps, stamps, _ = watchdog(tmp_path, partial)._read_store()  # key by key after the one request failed
+    assert steps == {0: 7} and set(stamps) == {0, 2}
 
 
 def test_a_store_that_never_answers_is_reported_in_seconds(tmp_path):
