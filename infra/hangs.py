@@ -40,7 +40,6 @@ import traceback
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 from accelerate import Accelerator
@@ -279,18 +278,15 @@ class Watchdog:
         return self.finding(what, "hung step", [], (idle, deadline))
 
     def _read_store(self) -> tuple[dict[int, int], dict[int, float], float]:
-        """Every rank's step and stamp: in one request (every rank asks, a thousand ranks share the store), else key by
-        key when one is missing (a rank that has not finished a step or written a stamp yet)."""
+        """Every rank's step and stamp: in one request when all are there (every rank asks, a thousand ranks share the
+        store), else key by key (a rank that has not finished a step or written a stamp yet). Nothing waits for a key:
+        `check` answers at once, so the store's timeout, which the process group shares, is left as it is."""
         ranks = range(len(self.peers))
         keys = [self.STEP.format(r) for r in ranks] + [self.STAMP.format(r) for r in ranks]
-        self.store.set_timeout(timedelta(seconds=1))  # a key never written must not keep us waiting
-        try:
+        if self.store.check(keys):
             values = dict(zip(keys, self.store.multi_get(keys), strict=True))
-        except Exception:
-            values = {}
-            for key in keys:
-                with contextlib.suppress(Exception):
-                    values[key] = self.store.get(key)
+        else:
+            values = {key: self.store.get(key) for key in keys if self.store.check([key])}
         steps = {r: int(values[self.STEP.format(r)]) for r in ranks if self.STEP.format(r) in values}
         stamps = {r: float(values[self.STAMP.format(r)]) for r in ranks if self.STAMP.format(r) in values}
         return steps, stamps, time.time()
