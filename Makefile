@@ -16,7 +16,7 @@ EXPERIMENT ?= $(RECIPE)
 MLFLOW_DB := sqlite:///$(CURDIR)/mlflow.db
 
 .DEFAULT_GOAL := help
-.PHONY: help setup data train doctor test test-all ui compare plan bench chaos gpu-check lint format clean
+.PHONY: help setup data train replicas doctor test test-all ui compare plan bench chaos gpu-check lint format clean
 
 help:  ## list the targets and the recipes
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -56,6 +56,10 @@ runs/pretrain_tiny/final/model.safetensors: data/stdlib/index.json
 
 train: setup data  ## train RECIPE (default pretrain_clm) with its config (RUN_CONFIG=, ACCEL_CONFIG=, ARGS= to change)
 	$(BIN)/accelerate launch --config_file $(ACCEL_CONFIG) recipes/$(RECIPE).py --config $(RUN_CONFIG) $(ARGS)
+
+GROUPS ?= 3
+replicas: setup data  ## RECIPE as GROUPS replica groups and their lighthouse on this machine: kill one, start it again, training goes on (fault_tolerance: replicas)
+	$(BIN)/python -m infra.replicas local --groups $(GROUPS) --recipe $(RECIPE) -- --config $(RUN_CONFIG) --global_batch_size 16 $(ARGS)
 
 doctor: setup data  ## preflight of the train job without training: devices, a collective, data checksums, a checkpoint round trip, disk, MLflow
 	$(BIN)/accelerate launch --config_file $(ACCEL_CONFIG) recipes/$(RECIPE).py --config $(RUN_CONFIG) --preflight_only true $(ARGS)

@@ -86,6 +86,9 @@ def accumulate_for_global_batch(args: TrainingArguments, processes: int) -> None
     fewer or more (elastic shrink, a lost node not replaced) trains on the same samples per step."""
     if not args.global_batch_size:
         return
+    if args.fault_tolerance == "replicas":  # each step's split among the live replica groups decides it (infra.replicas)
+        args.gradient_accumulation_steps = 1
+        return
     per_micro_step = args.per_device_train_batch_size * processes
     accepted = f"a multiple of per_device_train_batch_size x processes = {args.per_device_train_batch_size} x {processes}"
     require(args.global_batch_size % per_micro_step == 0, "global_batch_size", args.global_batch_size, accepted)

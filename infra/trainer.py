@@ -67,6 +67,7 @@ from infra.precision import PrecisionConfig
 from infra.preemption import Preemption, PreemptionConfig, clear_stop_record, write_stop_record
 from infra.preflight import EtaCheck, PreflightConfig, run_preflight
 from infra.recipe import Data, attention_of, exit_on
+from infra.replicas import ReplicaConfig
 from infra.tracking import MetricLogger, TrackingConfig, end_run, last_logged_step, run_name_for, run_tags, start_run, tracking_uri
 
 Batch = torch.Tensor | dict[str, torch.Tensor]
@@ -117,6 +118,7 @@ class LoopConfig:
 
 @dataclass
 class TrainingArguments(
+    ReplicaConfig,
     TrackingConfig,
     PreflightConfig,
     HealthConfig,
@@ -142,10 +144,16 @@ class TrainingArguments(
             decay = max(1, round(self.decay_ratio * self.max_steps))
             accepted = f"at most max_steps - decay steps = {self.max_steps - decay} with warmup_stable_decay"
             require(self.warmup_steps <= self.max_steps - decay, "warmup_steps", self.warmup_steps, accepted)
+        if self.fault_tolerance == "replicas":
+            accepted = "> 0 with fault_tolerance=replicas: the samples of every step, which the live replica groups split"
+            require(self.global_batch_size > 0, "global_batch_size", self.global_batch_size, accepted)
 
 
 def check_data_and_training(data_args: DataArguments, args: TrainingArguments) -> None:
     """What neither section can check alone."""
+    if args.fault_tolerance == "replicas":
+        accepted = "not set with fault_tolerance=replicas, which reads one dataset (data_dir) for now"
+        require(not data_args.data_mixture, "data_mixture", data_args.data_mixture, accepted)
     if args.keep_best and args.metric_for_best_model.startswith("eval/"):
         require(
             data_args.eval_samples > 0, "eval_samples", data_args.eval_samples, f"> 0 to rank checkpoints by {args.metric_for_best_model}"
@@ -303,9 +311,9 @@ class Trainer:
             checkpoint_activations(acc, job.model, args.gradient_checkpointing)
             if why := check_engine(acc, job.model):
                 raise LaunchError(why)
-        claim(acc, args.output_dir)  # one job per output_dir: before anything is written, held to the end
+        claim(acc, self.own_dir)  # one job per output_dir: before anything is written, held to the end
         if acc.is_main_process:
-            clear_stop_record(args.output_dir)
+            clear_stop_record(self.own_dir)
         ready_for_fsdp(acc, job.model)  # before the optimizer takes the parameters
         compile_blocks(acc, job.model, args)  # in place, before DDP wraps it (DeepSpeed and FSDP: by accelerate in prepare)
         optimizer = build_optimizer(job.model, args)
@@ -318,7 +326,7 @@ class Trainer:
         self.units_per_step = self.loader.global_batch_size * args.gradient_accumulation_steps * job.units_per_sample
 
         self.state = TrainState()
-        self.goodput = Goodput(args.output_dir, acc.is_main_process)
+        self.goodput = Goodput(self.own_dir, acc.is_main_process)
         self.retention = RetentionPolicy(args)
         self.exporter = Exporter(acc, args.output_dir, job.name, job.processor, job.task, config, adapter_only=job.adapter_only)
         self.checkpoints = CheckpointManager(
@@ -337,7 +345,7 @@ class Trainer:
         sources = [s.name for s in job.data.mixture.sources] if job.data.mixture and job.per_sample_losses else []
         self.metrics = TrainMetrics(acc, job.unit, job.flops_per_unit, compiled=args.torch_compile, sources=sources)
         peers = roster(acc)
-        self.watchdog = Watchdog(acc, args.output_dir, args.ddp_timeout, args.ddp_step_timeout, peers)
+        self.watchdog = Watchdog(acc, self.own_dir, args.ddp_timeout, args.ddp_step_timeout, peers)
         hosts = [p.host for p in peers]
         window, factor, patience = args.straggler_window_steps, args.straggler_factor, args.straggler_patience
         self.stragglers = StragglerDetector(acc, self.model, hosts, window, factor, patience)
@@ -351,6 +359,12 @@ class Trainer:
         self.eta: EtaCheck | None = None
         self.bar: tqdm | None = None
         self.step_started = time.monotonic()
+
+    @property
+    def own_dir(self) -> str:
+        """Where this job's own files go (its lock, goodput, sample trace, hang reports, stop record, MLflow run id): the
+        output_dir; a replica group's folder in it with fault_tolerance (infra.replicas)."""
+        return self.args.output_dir
 
     def run(self) -> None:
         """Everything, on every rank: the steps of a run, and one exit."""
@@ -393,7 +407,7 @@ class Trainer:
             self.accelerator,
             self.model,
             self.job.data.dataset,
-            args.output_dir,
+            self.own_dir,
             self.retention.most_kept(args.max_steps, args.save_steps),
             tracking_uri() if args.report_to == "mlflow" else None,
             data_checksums=self.job.data.preflight_hashes,
@@ -405,13 +419,7 @@ class Trainer:
         """The newest checkpoint that verifies (counters and cursor from its manifest: nothing of ours is unpickled), the same
         MLflow run, and the loop's meters from that step."""
         acc, args, state = self.accelerator, self.args, self.state
-        with exit_on(CheckpointError, "checkpoint error"):
-            path, manifest = self.checkpoints.resume(args.resume_from_checkpoint, checksums=args.verify_checksums)
-        if manifest:
-            state.load_state_dict(manifest)
-            with exit_on(DataError, "data error"):  # a data_mixture other than the checkpoint's, say
-                self.cursor.load_state_dict(manifest["cursor"])
-            self.hooks.on_state("resumed", state.step, self.model, self.optimizer)
+        path, manifest = self.restore()
         self.goodput.resume(manifest)
         self.clock.restart()
         if save_seconds and args.save_interval_minutes == "auto":  # Young/Daly from the preflight's save, not a default
@@ -422,7 +430,7 @@ class Trainer:
                 args.experiment_name or self.job.name,
                 run_name_for(self.config, args),
                 self.config,
-                args.output_dir,
+                self.own_dir,
                 run_id=manifest.get("mlflow_run_id"),
                 tags={**run_tags(acc, self.job.name, state.step), **self.data_tags()},
                 restart=args.resume_from_checkpoint == "auto",
@@ -431,15 +439,10 @@ class Trainer:
                 self.log_forensics()
                 self.watchdog.on_exit = lambda line: self.log_forensics()  # a surviving rank 0 logs its own at once
         # steps logged after the checkpoint and before a crash come again, identical: not twice in the run
-        self.tracker = MetricLogger(self.run_id, f"{args.output_dir}/unsent_metrics.jsonl", logged_through=last_logged_step(self.run_id))
-        acc.print(
-            f"world size {acc.num_processes} ({acc.distributed_type.value}), "
-            f"{'resumed at step ' + str(state.step) + ' from ' + str(path) if path else 'starting fresh'}, "
-            f"{self.loader.global_batch_size * args.gradient_accumulation_steps} samples per step "
-            f"({args.gradient_accumulation_steps} micro-step{'s' if args.gradient_accumulation_steps > 1 else ''}), {self.cursor}"
-        )
+        self.tracker = MetricLogger(self.run_id, f"{self.own_dir}/unsent_metrics.jsonl", logged_through=last_logged_step(self.run_id))
+        acc.print(self.start_line(path))
         traced = self.data_args.trace_samples
-        self.trace = SampleTrace(args.output_dir, acc.process_index, state.step, acc.num_processes) if traced else None
+        self.trace = SampleTrace(self.own_dir, acc.process_index, state.step, acc.num_processes) if traced else None
         self.latest = manifest.get("metrics", {})
         self.facts = environment_facts(acc)  # versions, git state: once, not at every save
         self.batches = iter(self.loader)
@@ -447,10 +450,32 @@ class Trainer:
         self.bar = tqdm(total=args.max_steps, initial=state.step, desc="train", disable=not acc.is_local_main_process)
         self.model.train()
 
+    def restore(self) -> tuple[str | None, dict]:
+        """The state of the newest checkpoint that verifies, loaded: its path and manifest (none: a fresh start)."""
+        args, state = self.args, self.state
+        with exit_on(CheckpointError, "checkpoint error"):
+            path, manifest = self.checkpoints.resume(args.resume_from_checkpoint, checksums=args.verify_checksums)
+        if manifest:
+            state.load_state_dict(manifest)
+            with exit_on(DataError, "data error"):  # a data_mixture other than the checkpoint's, say
+                self.cursor.load_state_dict(manifest["cursor"])
+            self.hooks.on_state("resumed", state.step, self.model, self.optimizer)
+        return path, manifest
+
+    def start_line(self, path: str | None) -> str:
+        """The first line of a launch: its size, where it starts and its batch."""
+        acc, args = self.accelerator, self.args
+        steps = args.gradient_accumulation_steps
+        return (
+            f"world size {acc.num_processes} ({acc.distributed_type.value}), "
+            f"{'resumed at step ' + str(self.state.step) + ' from ' + str(path) if path else 'starting fresh'}, "
+            f"{self.loader.global_batch_size * steps} samples per step ({steps} micro-step{'s' if steps > 1 else ''}), {self.cursor}"
+        )
+
     def log_forensics(self) -> None:
         """Where each rank was when an earlier launch stopped for a lost peer (infra.hangs), as artifacts of the run."""
         try:
-            if logged := log_forensics(self.run_id, self.args.output_dir):
+            if logged := log_forensics(self.run_id, self.own_dir):
                 self.accelerator.print(f"logged {logged} hang report(s) to MLflow (artifacts hangs/)")
         except Exception as err:  # tracking never stops training: they wait in OUTPUT_DIR/hangs for the next launch
             self.accelerator.print(f"warning: hang reports not logged to MLflow ({type(err).__name__}: {err})")
@@ -492,11 +517,18 @@ class Trainer:
         if isinstance(grad_norm, DTensor):  # FSDP2's norm of sharded gradients
             grad_norm = grad_norm.full_tensor()
         self.hooks.before_optimizer_step(state.step + 1, self.model, grad_norm)
+        # this rank's summed item losses; the step's items
+        return self.update(step_loss, step_loss * num_items_in_batch, items, grad_norm)
+
+    def update(self, loss: torch.Tensor, loss_sum: torch.Tensor, items: torch.Tensor, grad_norm) -> StepResult:
+        """The end of a step whose gradients are ready: the ranks' agreement, then the update unless some rank saw a
+        non-finite `loss` or gradient; the counters. `loss_sum` is this rank's summed item losses, `items` the step's."""
+        state = self.state
         self.watchdog.entering("the step agreement's all-reduce")
-        agreed = self.consensus.agree(state.step + 1, self.guard.flag(step_loss, grad_norm))
+        agreed = self.consensus.agree(state.step + 1, self.guard.flag(loss, grad_norm))
         steps = self.guard.record(agreed.nonfinite, state)
         if not agreed.nonfinite:
-            self.metrics.add_loss(step_loss * num_items_in_batch, items)  # this rank's summed item losses; the step's items
+            self.metrics.add_loss(loss_sum, items)
         self.metrics.end_step(keep=not agreed.nonfinite)  # the sources' losses of a skipped step are dropped
         if steps:
             self.optimizer.step()
@@ -505,7 +537,7 @@ class Trainer:
         state.step += 1
         state.tokens_seen += self.units_per_step
         self.metrics.count_step(self.units_per_step)
-        return StepResult(step_loss, grad_norm, agreed.nonfinite, agreed.save_due, agreed.signal)
+        return StepResult(loss, grad_norm, agreed.nonfinite, agreed.save_due, agreed.signal)
 
     def fetch(self) -> tuple[Batch, int, torch.Tensor | None]:
         """The next micro-batch on the device, its number since the run began, and with a data_mixture (whose losses per
@@ -555,7 +587,7 @@ class Trainer:
         self.bar.n = self.state.step
         if self.trace:
             self.trace.close()
-            self.trace = SampleTrace(self.args.output_dir, self.accelerator.process_index, self.state.step, self.accelerator.num_processes)
+            self.trace = SampleTrace(self.own_dir, self.accelerator.process_index, self.state.step, self.accelerator.num_processes)
 
     def log(self, result: StepResult) -> None:
         state = self.state
@@ -629,7 +661,7 @@ class Trainer:
         except CheckpointError as err:  # a full disk, say: the run stops rather than train on with nothing saved
             if self.accelerator.is_main_process:
                 with contextlib.suppress(OSError):  # the disk may be too full even for the record
-                    write_stop_record(args.output_dir, state.step, {"reason": "save_failed", "error": str(err)})
+                    write_stop_record(self.own_dir, state.step, {"reason": "save_failed", "error": str(err)})
             raise SystemExit(f"checkpoint error: {err}") from None
         seconds = time.perf_counter() - start
         self.hooks.on_state("saved", state.step, self.model, self.optimizer)
@@ -651,7 +683,7 @@ class Trainer:
         acc, state = self.accelerator, self.state
         if stop is not None:
             if acc.is_main_process:
-                write_stop_record(self.args.output_dir, state.step, stop)
+                write_stop_record(self.own_dir, state.step, stop)
             if stop["reason"] == "preempted":
                 acc.print(f"preempted ({stop['signal']}): saved step {state.step}; the next launch resumes from it")
             else:
@@ -678,4 +710,12 @@ def train(accelerator: Accelerator, args: TrainingArguments, data_args: DataArgu
     (infra.testing): none in a normal run."""
     from infra.testing import hooks_from_env
 
-    Trainer(accelerator, args, data_args, config, job, hooks=hooks_from_env(accelerator.process_index)).run()
+    trainer = Trainer
+    if args.fault_tolerance == "replicas":
+        from infra.replicas import launch_problem
+        from infra.replicas.trainer import ReplicaTrainer
+
+        if problem := launch_problem(args, accelerator.distributed_type.name):
+            raise SystemExit(f"launch error: {problem}")
+        trainer = ReplicaTrainer
+    trainer(accelerator, args, data_args, config, job, hooks=hooks_from_env(accelerator.process_index)).run()

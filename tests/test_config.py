@@ -41,6 +41,17 @@ def test_yaml_sets_fields_and_flags_override_it(tmp_path):
         ("- a\n- b\n", [], "expected a mapping of field: value"),
         ("", ["--output_dir", "s3://b/run"], "output_dir='s3://b/run' is not valid: expected a local or shared folder"),
         ("", ["--checkpoint_upload_dir", "/tmp/x"], "checkpoint_upload_dir='/tmp/x' is not valid: expected an fsspec URL"),
+        ("", ["--fault_tolerance", "replica"], "fault_tolerance='replica' is not valid: expected none or replicas"),
+        (
+            "",
+            ["--fault_tolerance", "replicas", "--lighthouse", "http://h:29510"],
+            "replica_group_id='' is not valid: expected letters, digits, '_', '-' or '.', ending in a digit",
+        ),
+        (
+            "",
+            ["--fault_tolerance", "replicas", "--replica_group_id", "a1", "--lighthouse", "h:29510"],
+            "lighthouse='h:29510' is not valid: expected http://HOST:PORT",
+        ),
     ],
 )
 def test_bad_values_name_the_field_and_what_is_accepted(tmp_path, yaml_text, argv, expected):
@@ -69,6 +80,16 @@ def test_resolved_config_flattens_to_dotted_params():
         ("data_mixture:\n  - {name: a, data_dir: x, weight: -1}\n", [], "data_mixture weight='-1' of 'a' is not valid: expected a number"),
         ("", ["--data_mixture", "name=a,data_dir=x"], "data_mixture item 'name=a,data_dir=x' is not valid: expected name=..., data_dir="),
         ("", ["--attn_implementation", "flash"], "attn_implementation='flash' is not valid: expected one of sdpa, eager,"),
+        (
+            "",
+            ["--fault_tolerance", "replicas", "--replica_group_id", "0", "--lighthouse", "http://h:29510"],
+            "global_batch_size=0 is not valid: expected > 0 with fault_tolerance=replicas",
+        ),
+        (
+            "data_mixture:\n  - {name: a, data_dir: x, weight: 1}\n",
+            ["--fault_tolerance", "replicas", "--replica_group_id", "0", "--lighthouse", "http://h:29510", "--global_batch_size", "16"],
+            "data_mixture=",
+        ),
         ("", ["--attn_implementation", "flash_attention_2"], "expected an installed kernel: flash_attention_2 needs a CUDA GPU"),
         ("", ["--attn_implementation", "flex_attention"], "expected a kernel that trains here: flex_attention needs a CUDA GPU"),
     ],
@@ -111,6 +132,12 @@ FROZEN_SURFACE = {
         "per_device_train_batch_size": 8,
         "gradient_accumulation_steps": 1,
         "global_batch_size": 0,
+        "fault_tolerance": "none",
+        "replica_group_id": "",
+        "lighthouse": "",
+        "min_replicas": 1,
+        "replica_timeout_seconds": 30.0,
+        "quorum_timeout_seconds": 120.0,
         "logging_steps": 10,
         "eval_steps": 0,
         "per_device_eval_batch_size": 8,

@@ -1,5 +1,6 @@
 """infra/slurm/pretrain.sbatch under a real one-node SLURM (tests/slurm/one_node.sh): a CPU-only job that completes,
-and one that gets SIGUSR1 mid-run, saves, requeues itself, resumes and ends with the weights of an uninterrupted run.
+and one that gets SIGUSR1 mid-run, saves, requeues itself, resumes and ends with the weights of an uninterrupted run;
+infra/slurm/replicas.sbatch with a replica group killed mid-run.
 
 SLURM is started where it can be (root, with slurmctld installed or apt-get to install it); elsewhere these tests are
 skipped with the reason. A requeued job waits about 2 minutes before it may start again, so they are slow.
@@ -7,9 +8,11 @@ skipped with the reason. A requeued job waits about 2 minutes before it may star
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -92,3 +95,38 @@ def test_a_cpu_job_completes_and_a_usr1_mid_run_requeues_to_the_same_weights(slu
     assert re.findall(r"training step exited with (\d+)", text) == ["0", "0"]  # both starts, every step exited 0
     a, b = load_file(straight_out / "final" / "model.safetensors"), load_file(out / "final" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_replica_groups_under_slurm_go_on_when_one_dies_and_its_node_starts_it_again(slurm, small_data, tmp_path):
+    """infra/slurm/replicas.sbatch with two groups on the one node (GROUPS_PER_NODE=2, one process each): group 1's
+    training process killed mid-run; the node's loop starts it again, it heals from group 0, which never stopped, and
+    the job completes with both groups in the same state."""
+    out, log = tmp_path / "out", tmp_path / "replicas.log"
+    cmd = ["sbatch", "--parsable", *CPU_JOB, f"--output={log}", "--job-name", "replicas", str(REPO / "infra" / "slurm" / "replicas.sbatch")]
+    env = {**os.environ, "OUTPUT_DIR": str(out), "GROUPS_PER_NODE": "2", "PROCS_PER_NODE": "1", "GLOBAL_BATCH_SIZE": "16"}
+    train = ["--data_dir", str(small_data), *TRAIN, "--trace_samples"]
+    job_id = subprocess.run([*cmd, *train], cwd=REPO, env=env, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
+    trace = out / "replicas" / "1" / "trace" / "rank0.jsonl"
+    wait_for(lambda: trace.exists() and len(trace.read_text().splitlines()) > 20, "group 1's step 20", 300)
+    os.kill(training_process("1"), signal.SIGKILL)
+    wait_for(lambda: job(job_id)["JobState"] in ("COMPLETED", "FAILED", "CANCELLED"), "the job", 420)
+    text = log.read_text()
+    assert job(job_id)["JobState"] == "COMPLETED" and job(job_id)["ExitCode"] == "0:0", text[-3000:]
+    assert "replica group 1 exited with" in text and "started again (1 of 100)" in text
+    assert "replica group 1: healed from a live group to step" in text
+    assert "replica group 0: 1 group live (were 2)" in text
+    assert len(set(re.findall(r"final state of step 300 \(xxh3 (\w+)\)", text))) == 1
+
+
+def training_process(group: str) -> int:
+    """The recipe process of replica group `group` (under accelerate launch, which the node's loop runs)."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            cmdline = proc.info["cmdline"] or []
+            if len(cmdline) > 1 and cmdline[1].endswith("pretrain_clm.py") and proc.environ().get("REPLICA_GROUP_ID") == group:
+                found.append(proc.pid)
+    (pid,) = found
+    return pid

@@ -1,0 +1,172 @@
+"""Chaos for replica groups (fault_tolerance=replicas): three groups under a fault every few minutes, and the job's
+effective training time ratio, next to `benchmarks/chaos.py`'s for a job that stops at every fault.
+
+    python benchmarks/chaos_replicas.py --minutes 8 --fault_minutes 2      # root: network namespaces
+
+Four hosts made of network namespaces (tests/hosts.py): the lighthouse, and three replica groups of one process each,
+the default pretraining on the default data (`make data`), 8 samples per group per step. Faults arrive at random
+(exponential gaps of mean `fault_minutes`), each to a random live group, of a kind drawn at random: `kill` (its
+process killed), `link` (its interface down), `stop` (its process frozen with SIGSTOP). The scheduler acts once the
+others have left the group out: a killed or frozen group is killed and started again, a cut link put back; the group
+then heals from a live one.
+
+ETTR here is (committed steps x the median time between two commits) / wall time since the first launch, start-up
+included: the share of the wall time the job would have needed had every step taken the time of a fault-free one.
+Printed with each fault's time to the survivors' next committed step and the group's heal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.hosts import Hosts  # noqa: E402
+
+KINDS = ("kill", "link", "stop")
+GROUPS = 3
+PORT = 29510
+
+
+class Job:
+    def __init__(self, hosts: Hosts, work: Path, data: str, extra: list[str]):
+        self.hosts, self.work, self.data, self.extra = hosts, work, data, extra
+        self.out = work / "out"
+        db = f"sqlite:///{work / 'mlflow.db'}"
+        self.env = {**os.environ, "MLFLOW_TRACKING_URI": db, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        import mlflow
+
+        mlflow.MlflowClient(db).search_experiments()
+        light = [sys.executable, "-m", "infra.replicas", "lighthouse", "--port", str(PORT), "--heartbeat_timeout_ms", "2000"]
+        hosts.popen(GROUPS, light, self.env, work / "lighthouse.log", cwd=REPO)
+        self.starts = {g: 0 for g in range(GROUPS)}
+        for g in range(GROUPS):
+            self.start(g)
+
+    def start(self, g: int) -> None:
+        self.starts[g] += 1
+        cmd = [
+            sys.executable,
+            str(REPO / "recipes" / "pretrain_clm.py"),
+            "--config",
+            str(REPO / "recipes" / "configs" / "pretrain_clm.yaml"),
+        ]
+        cmd += ["--data_dir", self.data, "--output_dir", str(self.out), "--max_steps", "1000000", "--eval_samples", "0"]
+        cmd += ["--global_batch_size", str(8 * GROUPS), "--fault_tolerance", "replicas", "--replica_group_id", str(g)]
+        cmd += ["--lighthouse", f"http://{self.hosts.addresses[GROUPS]}:{PORT}", "--replica_timeout_seconds", "5", "--trace_samples"]
+        cmd += ["--save_interval_minutes", "auto", "--mtbf_hours", "0.0333", *self.extra]
+        self.hosts.popen(g, cmd, self.env, self.log(g), cwd=REPO)
+
+    def log(self, g: int) -> Path:
+        return self.work / f"g{g}_{self.starts[g]}.log"
+
+    def text(self, g: int) -> str:
+        try:
+            return self.log(g).read_text()
+        except OSError:
+            return ""
+
+    def step(self) -> int:
+        best = 0
+        for path in self.out.glob("replicas/*/trace/rank0.jsonl"):
+            with open(path, "rb") as f:
+                f.seek(max(0, path.stat().st_size - 4096))
+                lines = f.read().decode(errors="ignore").splitlines()[1:]
+            best = max([best, *(json.loads(line)["step"] for line in lines if line.endswith("}"))])
+        return best
+
+    def live(self) -> list[int]:
+        return [g for g in range(GROUPS) if self.starts[g] == 1 or "healed from a live group" in self.text(g)]
+
+
+def inject(hosts: Hosts, group: int, kind: str) -> None:
+    if kind == "kill":
+        hosts.kill(group)
+    elif kind == "link":
+        hosts.link(group, up=False)
+    else:
+        hosts.kill(group, signal.SIGSTOP)
+
+
+def healed(job: Job, fault: dict) -> bool:
+    """The group of `fault` healed since the scheduler acted (a group started again logs anew)."""
+    since = fault["mark_self"] if fault["kind"] == "link" else 0
+    return "healed from a live group" in job.text(fault["group"])[since:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=15.0)
+    parser.add_argument("--fault_minutes", type=float, default=2.0)
+    parser.add_argument("--data_dir", default=str(REPO / "data" / "stdlib"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("extra", nargs="*", help="More flags for the recipe.")
+    a = parser.parse_args()
+    if why := Hosts.unavailable():
+        raise SystemExit(f"chaos_replicas: {why}")
+    rng = random.Random(a.seed)
+    work = Path(tempfile.mkdtemp(prefix="chaos-replicas-"))
+    commits: list[tuple[float, int]] = []
+    faults: list[dict] = []
+    with Hosts(GROUPS + 1) as hosts:
+        begin = time.time()
+        job = Job(hosts, work, a.data_dir, a.extra)
+        next_fault = begin + rng.expovariate(1 / (a.fault_minutes * 60))
+        pending: dict | None = None
+        while time.time() < begin + a.minutes * 60:
+            time.sleep(0.05)
+            now, step = time.time(), job.step()
+            if not commits or step > commits[-1][1]:
+                commits.append((now, step))
+            if pending and "dropped" not in pending:
+                others = [g for g in job.live() if g != pending["group"]]
+                if any(re.search(r"groups? live \(were \d\)", job.text(g)[pending["marks"].get(g, 0) :]) for g in others):
+                    pending["dropped"] = now
+                    g = pending["group"]
+                    if pending["kind"] == "link":
+                        hosts.link(g, up=True)
+                    else:
+                        hosts.kill(g, signal.SIGKILL)
+                        hosts.wait_quiet(g, 10)
+                        job.start(g)
+                    pending["restarted"] = time.time()
+            if pending and "dropped" in pending and healed(job, pending):
+                pending["healed"] = time.time()
+                faults.append(pending)
+                pending = None
+            if pending is None and now >= next_fault and len(job.live()) == GROUPS:
+                g, kind = rng.randrange(GROUPS), rng.choice(KINDS)
+                pending = {"kind": kind, "group": g, "at": now, "marks": {x: len(job.text(x)) for x in range(GROUPS)}}
+                pending["mark_self"] = len(job.text(g))
+                inject(hosts, g, kind)
+                print(f"chaos: {now - begin:6.0f}s  step {step}  {kind} group {g}", flush=True)
+                next_fault = now + rng.expovariate(1 / (a.fault_minutes * 60))
+        wall = time.time() - begin
+    gaps = [b[0] - a_[0] for a_, b in zip(commits[1:], commits[2:], strict=False)]
+    per_step = [g / (b[1] - a_[1]) for g, a_, b in zip(gaps, commits[1:], commits[2:], strict=False)]
+    step_seconds = statistics.median(per_step)
+    steps = commits[-1][1]
+    from infra.precision import cpu_description
+
+    print(f"\nCPU: {cpu_description()}")
+    print(f"chaos (replica groups): {wall / 60:.1f} min, {len(faults)} faults recovered, {steps} steps at {step_seconds * 1000:.0f} ms")
+    print(f"measured ETTR {steps * step_seconds / wall:.3f} (first step after {commits[1][0] - begin:.0f}s of start-up)")
+    print("\nfault  group  to the survivors' next commit  scheduler to healed (s)")
+    for f in faults:
+        print(f"{f['kind']:5s}  {f['group']:5d}  {f['dropped'] - f['at']:29.1f}  {f['healed'] - f['restarted']:22.1f}")
+    print(f"\nlogs: {work}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""This replica group's seat in the quorum: torchft's Manager, and what the Trainer asks of it.
+
+    group = ReplicaGroup(accelerator, config, state_dict=..., load_state_dict=...)
+    seat = group.quorum()          # before a step: the live groups, this group's rank among them; may heal this group
+    items = group.sum(items)       # across the quorum (one small all-reduce)
+    loss = group.sum_gradients(model, loss)
+    if group.commit(): optimizer.step()
+
+The Manager talks to the lighthouse (rank 0 of each group runs its ManagerServer), forms a gloo group across the live
+replica groups at every change of quorum (ranks of the same local rank together) and moves state to a group that
+heals over HTTP. Each group serves its own store for the cross-group process group; its address is the one this host
+uses to reach the lighthouse, so that several hosts behind one hostname (containers, namespaces) stay apart.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
+
+
+@dataclass
+class Seat:
+    """A step's quorum as this group sees it."""
+
+    rank: int  # this group's rank among the live groups
+    size: int  # live groups
+    id: int  # the quorum's number: a new one at every change of the groups in it
+    healed_from: int | None  # the step this group healed to, when it did at this quorum
+    seconds: float  # the quorum's wait, a heal included
+
+
+def route_address(url: str) -> str:
+    """The address this host uses to reach `url`'s host: where the other groups can reach it too."""
+    parsed = urlparse(url)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((parsed.hostname, parsed.port or 80))  # UDP: no packet is sent, the route is looked up
+        return probe.getsockname()[0]
+
+
+def transport(host: str, timeout: timedelta):
+    """torchft's HTTP checkpoint transport, advertising `host` rather than the hostname."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class Transport(HTTPTransport):
+        def address(self) -> str:
+            return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    return Transport(timeout=timeout, num_chunks=0)
+
+
+def digest(state: dict[str, Any]) -> str:
+    """xxh3 of a group's training state (tensors' dtype, shape and bytes; other values' repr), in key order: equal
+    states, equal digests, whatever device or process holds them. Its metrics are left out: their timings differ."""
+    import xxhash
+
+    h = xxhash.xxh3_64()
+
+    def add(key: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k in sorted(value, key=str):
+                add(f"{key}/{k}", value[k])
+        elif isinstance(value, list | tuple):
+            for i, v in enumerate(value):
+                add(f"{key}/{i}", v)
+        elif isinstance(value, torch.Tensor):
+            t = value.detach().cpu().contiguous()
+            h.update(f"{key}:{t.dtype}:{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(f"{key}={value!r}".encode())
+
+    add("", {k: v for k, v in state.items() if k != "metrics"})
+    return h.hexdigest()
+
+
+class ReplicaGroup:
+    """torchft's Manager for this replica group (every process of the group builds one)."""
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        config,
+        state_dict: Callable[[], dict[str, Any]],
+        load_state_dict: Callable[[dict[str, Any]], None],
+    ):
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's own server logs every quorum and commit at info
+        import torchft
+        from torch.distributed import TCPStore
+
+        logging.getLogger("torchft").setLevel(logging.CRITICAL)  # tracebacks of a lost peer: the Trainer says it in a line
+
+        self.accelerator, self.min_replicas = accelerator, config.min_replicas
+        host = route_address(config.lighthouse)
+        store = [None]
+        if accelerator.is_main_process:  # the group's own store for the cross-group process group: outlives nothing
+            self.store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+            store = [self.store.port]
+        if accelerator.num_processes > 1:
+            broadcast_object_list(store)
+        timeout = timedelta(seconds=config.replica_timeout_seconds)
+        self.loaded: int | None = None  # the step a heal brought, until the Trainer reads it
+        say = accelerator.print
+
+        def send() -> dict[str, Any]:  # to a group that heals, from torchft's quorum thread (the main one waits)
+            state = state_dict()
+            say(f"replica group {config.replica_group_id}: sent the state of step {state['train']['step']} (xxh3 {digest(state)})")
+            return state
+
+        def load(state: dict[str, Any]) -> None:
+            load_state_dict(state)
+            self.loaded = int(state["train"]["step"])
+            self.loaded_digest = digest(state_dict())  # as this group now holds it: equal to the sender's if exact
+
+        self.manager = torchft.Manager(
+            pg=torchft.ProcessGroupGloo(timeout=timeout),
+            load_state_dict=load,
+            state_dict=send,
+            min_replica_size=config.min_replicas,
+            use_async_quorum=False,  # a group that heals does so before its forward pass, and every live group trains
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=config.quorum_timeout_seconds),
+            connect_timeout=timedelta(seconds=config.quorum_timeout_seconds),
+            rank=accelerator.process_index,
+            world_size=accelerator.num_processes,
+            store_addr=host,
+            store_port=int(store[0]),
+            lighthouse_addr=config.lighthouse.rstrip("/"),
+            replica_id=config.replica_group_id,
+            hostname=host,
+            checkpoint_transport=transport(host, timeout),
+            init_sync=False,  # every group builds the same weights from the seed; a fresh job loads one checkpoint
+        )
+
+    def quorum(self) -> Seat:
+        """The quorum of this step (waits for min_replicas groups); a group behind the others heals here."""
+        start = time.monotonic()
+        self.manager.start_quorum()
+        healed, self.loaded = self.loaded, None
+        rank = self.manager.participating_rank()
+        if rank is None:  # the quorum could not form (lighthouse gone, a transfer failed): the commit will say no
+            rank = 0
+        size = max(self.manager.num_participants(), 1)
+        return Seat(rank, size, self.manager._quorum_id, healed, time.monotonic() - start)
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` summed over the quorum (in place)."""
+        self.manager.allreduce(tensor, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        return tensor
+
+    def sum_gradients(self, model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
+        """Every trainable parameter's gradient summed over the quorum, and `loss` with them: one all-reduce of one
+        flat buffer."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # unused in this group's share: a zero contribution
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1).float() for p in params] + [loss.reshape(1).float()])
+        self.sum(flat)
+        offset = 0
+        for p in params:
+            n = p.grad.numel()
+            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+            offset += n
+        return flat[-1]
+
+    def commit(self) -> bool:
+        """Whether every group of the quorum finished this step: the optimizer steps only then."""
+        return self.manager.should_commit()
+
+    def why_not(self) -> str:
+        """What kept the last step from committing, in a few words."""
+        err = self.manager.errored()
+        if err is None:
+            return f"fewer than min_replicas={self.min_replicas} groups, or another group failed it"
+        cause = err.original_exception
+        text = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\] ", "", str(cause).splitlines()[0] if str(cause) else "no detail")  # gloo's source line
+        return f"{type(cause).__name__}: {text.split('. This is typically')[0][:160]}"
+
+    def set_step(self, step: int) -> None:
+        """After this group loaded a checkpoint: the step the quorum compares (and a later group heals to)."""
+        self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
+
+    @property
+    def step(self) -> int:
+        return self.manager.current_step()
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)

@@ -1,0 +1,255 @@
+"""The Trainer of one replica group (fault_tolerance=replicas): the quorum before every step, the step's global batch
+split among the live groups, the gradients summed across them, the update only on commit, a heal from a peer.
+
+What changes against infra.trainer.Trainer, and why:
+- restore: the first quorum comes first. A group behind the live ones (started late, or back after a fault) heals from
+  a peer and reads no checkpoint; when every group of the quorum starts at step 0 (a new job, or one back after losing
+  every group) each loads the newest checkpoint, as a plain job does, and the quorum goes on from its step.
+- step: the global batch is `global_batch_size` samples at the cursor; this group's share, by its rank in the quorum,
+  is cut into micro-batches of at most per_device_train_batch_size. The item count and the gradients are summed over
+  the quorum, so the update is the fault-free run's whatever the split (up to the order of the sums). A step whose
+  commit fails is done again on the same samples by the next quorum; the cursor moves on commit only.
+- save, export: by the group of rank 0 in the quorum, into the shared output_dir; each group's own files (its lock,
+  goodput, sample trace, MLflow run id) go to OUTPUT_DIR/replicas/<id>.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+
+import numpy as np
+import torch
+
+from infra.data.loader import EpochOrder, _collate
+from infra.replicas.quorum import ReplicaGroup, Seat, digest
+from infra.trainer import StepResult, Trainer, to_device
+
+
+class GlobalBatches:
+    """The samples of a step: `size` positions of the epoch's order from the cursor; an epoch's last positions that do
+    not fill a step are left out, as the plain loader leaves out a short last batch."""
+
+    def __init__(self, dataset, seed: int, window: int, size: int):
+        self.dataset, self.seed, self.window, self.size = dataset, seed, window, size
+        self.shard_sizes = list(getattr(dataset, "shard_sizes", [len(dataset)]))
+        self._order: EpochOrder | None = None
+
+    def order(self, epoch: int) -> EpochOrder:
+        if self._order is None or self._order.epoch != epoch:
+            self._order = EpochOrder(self.shard_sizes, self.seed, epoch, self.window)
+        return self._order
+
+    def ids(self, cursor) -> np.ndarray:
+        """The global sample ids of the step at `cursor` (rolled over to the next epoch first if the rest is short)."""
+        self.roll(cursor)
+        return self.order(cursor.epoch)[cursor.samples_consumed : cursor.samples_consumed + self.size]
+
+    def roll(self, cursor) -> None:
+        if cursor.samples_consumed + self.size > len(self.dataset):
+            cursor.epoch += 1
+            cursor.samples_consumed = 0
+
+    def advance(self, cursor) -> None:
+        self.roll(cursor)
+        cursor.samples_consumed += self.size
+
+    def read(self, ids: np.ndarray):
+        get = getattr(self.dataset, "__getitems__", None)
+        return _collate(get(ids.tolist()) if get else [self.dataset[int(i)] for i in ids])
+
+
+def share(ids: np.ndarray, slot: int, slots: int, micro_batch: int) -> list[np.ndarray]:
+    """Slot `slot` of `slots`'s part of a step's samples, as micro-batches of at most `micro_batch`: the same number of
+    micro-batches in every slot (DDP inside a group syncs on the last), any empty ones first."""
+    part = np.array_split(ids, slots)[slot]
+    count = math.ceil(math.ceil(len(ids) / slots) / micro_batch)
+    sizes = [len(p) for p in np.array_split(part, count)][::-1]  # the smaller ones first, the samples in order
+    return np.split(part, np.cumsum(sizes)[:-1])
+
+
+class ReplicaTrainer(Trainer):
+    def __init__(self, accelerator, args, data_args, config, job, hooks=None):
+        super().__init__(accelerator, args, data_args, config, job, hooks)
+        self.units_per_step = args.global_batch_size * job.units_per_sample
+        self.global_batches = GlobalBatches(job.data.train, args.seed, data_args.shuffle_window, args.global_batch_size)
+        self.group = ReplicaGroup(accelerator, args, self.replica_state, self.load_replica_state)
+        self.seat: Seat | None = None  # the quorum of the step under way (the first one's is taken in restore)
+        self.seat_rank = 0  # this group's rank in the quorum of the last step: rank 0 saves and exports
+        self.redone = 0  # steps that did not commit and were done again
+        self.live, self.quorum_id = 0, -1  # the quorum of the last committed step: its groups, its number
+        self.costs: dict[str, float] = {}  # seconds of the last step's sum across groups and commit
+        self.heals: list[tuple[int, float]] = []  # (step healed to, seconds), to log
+
+    @property
+    def own_dir(self) -> str:
+        return f"{self.args.output_dir}/replicas/{self.args.replica_group_id}"
+
+    # -- the state a group heals from ------------------------------------------------------------------------------
+
+    def replica_state(self) -> dict:
+        """Everything a healing group needs to train on as this one (called by torchft between two steps)."""
+        return {
+            "model": self.accelerator.unwrap_model(self.model).state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "cursor": self.cursor.state_dict(),
+            "train": self.state.state_dict(),
+            "metrics": dict(self.latest),
+        }
+
+    def load_replica_state(self, state: dict) -> None:
+        self.accelerator.unwrap_model(self.model).load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.cursor.load_state_dict(state["cursor"])
+        self.state.load_state_dict(state["train"])
+        self.latest = dict(state["metrics"])
+
+    # -- the phases of the Trainer, for a group --------------------------------------------------------------------
+
+    def restore(self) -> tuple[str | None, dict]:
+        """The first quorum; a heal from a live group, or (every group fresh) the newest checkpoint."""
+        self.seat = self.group.quorum()
+        if self.seat.healed_from is not None:
+            self.heals.append((self.seat.healed_from, self.seat.seconds))
+            self.hooks.on_state("healed", self.state.step, self.model, self.optimizer)
+            return f"a live replica group ({self.seat.seconds:.1f}s)", {"metrics": self.latest}
+        path, manifest = super().restore()
+        self.group.set_step(self.state.step)
+        # this group's own MLflow run and goodput ledger, not those of the group that saved
+        return path, {k: v for k, v in manifest.items() if k not in ("mlflow_run_id", "goodput")}
+
+    def start_line(self, path: str | None) -> str:
+        acc, args, seat = self.accelerator, self.args, self.seat
+        where = f"resumed at step {self.state.step} from {path}" if path else "starting fresh"
+        return (
+            f"replica group {args.replica_group_id}: {acc.num_processes} process{'es' if acc.num_processes > 1 else ''} "
+            f"({acc.distributed_type.value}), {seat.size} group{'s' if seat.size > 1 else ''} live, {where}, "
+            f"{args.global_batch_size} samples per step split among the live groups, {self.cursor}"
+        )
+
+    def step(self) -> StepResult:
+        """One committed optimizer step: quorum, this group's share, the sums across groups, commit; done again on the
+        same samples until a quorum commits it."""
+        while True:
+            if self.seat is None:
+                self.watchdog.entering("the quorum")
+                self.seat = self.group.quorum()
+                if self.seat.healed_from is not None:  # behind the others (frozen, cut off): now their state
+                    self.heals.append((self.seat.healed_from, self.seat.seconds))
+                    self.hooks.on_state("healed", self.state.step, self.model, self.optimizer)
+                    self.bar.n = self.state.step
+            result = self.attempt(self.seat)
+            self.seat = None
+            if result is not None:
+                return result
+            self.redone += 1
+            self.say(f"step {self.state.step + 1} did not commit ({self.group.why_not()}): done again on the same samples")
+            self.tracker.log({"ft/steps_redone": self.redone}, step=self.state.step + 1, again=True)
+
+    def attempt(self, seat: Seat) -> StepResult | None:
+        """One try at the next step with this quorum: None if it did not commit (nothing of it kept)."""
+        acc, args, state = self.accelerator, self.args, self.state
+        self.seat_rank = seat.rank
+        self.step_started = time.monotonic()
+        self.goodput.first_step()
+        self.watchdog.entering("data")
+        ids = self.global_batches.ids(self.cursor)
+        slot, slots = seat.rank * acc.num_processes + acc.process_index, seat.size * acc.num_processes
+        batches = [
+            to_device(self.global_batches.read(p), acc.device) if len(p) else None
+            for p in share(ids, slot, slots, args.per_device_train_batch_size)
+        ]
+        self.watchdog.entering("the item count's all-reduce (across replica groups)")
+        items = self.count_items([b for b in batches if b is not None])
+        num_items_in_batch = items / acc.num_processes  # DDP averages over this group's processes; the groups' are summed
+        step_loss = self.backward(batches, num_items_in_batch)
+        self.watchdog.entering("the gradient all-reduce (across replica groups)")
+        summing = time.perf_counter()
+        loss_sum = self.group.sum_gradients(self.model, step_loss * num_items_in_batch)  # over the groups, for this rank
+        self.costs["ft/gradient_sum_seconds"] = time.perf_counter() - summing
+        grad_norm = acc.clip_grad_norm_(self.model.parameters(), args.max_grad_norm) if args.max_grad_norm else None
+        self.hooks.before_optimizer_step(state.step + 1, self.model, grad_norm)
+        self.watchdog.entering("the commit")
+        committing = time.perf_counter()
+        committed = self.group.commit()
+        self.costs["ft/commit_seconds"] = time.perf_counter() - committing
+        if not committed:
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
+        result = self.update(loss_sum / num_items_in_batch, loss_sum, items, grad_norm)
+        self.global_batches.advance(self.cursor)
+        if self.trace and acc.is_main_process:  # the whole global batch: what every live group trained on
+            self.trace.write(state.step, ids.tolist())
+            self.trace.flush()  # a line a step: what a group killed next leaves is exactly what it committed
+        self.log_quorum(seat)
+        return result
+
+    def backward(self, batches: list, num_items_in_batch: torch.Tensor) -> torch.Tensor:
+        """The forward and backward passes of this process's micro-batches (None: an empty one); their summed loss."""
+        acc = self.accelerator
+        self.watchdog.entering("forward and backward")
+        step_loss = torch.zeros((), device=acc.device)
+        for i, batch in enumerate(batches):
+            if batch is None:
+                continue
+            last = i == len(batches) - 1
+            with self.model.no_sync() if acc.num_processes > 1 and not last else contextlib.nullcontext():
+                with self.stragglers.compute():
+                    loss = self.job.loss(self.model, batch, num_items_in_batch)
+                    loss = self.hooks.on_loss(loss, self.state.step * len(batches) + i + 1)
+                acc.backward(loss)
+            step_loss += loss.detach()
+        return step_loss
+
+    def count_items(self, batches) -> torch.Tensor:
+        """This group's items, summed over the quorum's groups."""
+        if not batches:  # a share of nothing: more slots than samples
+            items = torch.zeros((), device=self.accelerator.device)
+            if self.accelerator.num_processes > 1:
+                torch.distributed.all_reduce(items)
+        else:
+            items = super().count_items(batches)
+        return self.group.sum(items.reshape(1)).reshape(())
+
+    def log_quorum(self, seat: Seat) -> None:
+        """The quorum of a committed step: its size at every step, a change and a heal said in a line."""
+        metrics = {"ft/replicas": seat.size, "ft/quorum_seconds": seat.seconds, **self.costs}
+        if seat.id != self.quorum_id:  # another group left or joined (the same number of groups, maybe)
+            if self.live:
+                self.say(f"{seat.size} group{'s' if seat.size > 1 else ''} live (were {self.live}) from step {self.state.step}")
+            self.live, self.quorum_id = seat.size, seat.id
+        for step, seconds in self.heals:
+            self.say(f"healed from a live group to step {step} in {seconds:.1f}s (xxh3 {self.group.loaded_digest})")
+            metrics |= {"ft/heal_seconds": seconds}
+        self.heals.clear()
+        self.tracker.log(metrics, step=self.state.step)
+
+    def say(self, line: str) -> None:
+        if self.accelerator.is_main_process:
+            self.bar.write(f"replica group {self.args.replica_group_id}: {line}")
+
+    def roll_back(self) -> None:
+        super().roll_back()
+        self.group.set_step(self.state.step)
+
+    def save(self, last: bool = False) -> None:
+        """By the group of rank 0 in the quorum only: every group holds the same state."""
+        if self.seat_rank == 0:
+            super().save(last)
+        elif self.trace:
+            self.trace.flush()
+
+    def export(self) -> None:
+        """The state every live group ends with (equal everywhere, bit for bit), and the model, by the group of rank 0."""
+        self.say(f"final state of step {self.state.step} (xxh3 {digest(self.replica_state())})")
+        if self.seat_rank == 0:
+            super().export()
+        else:
+            self.accelerator.print(f"done: step {self.state.step}; the replica group of rank 0 exports the model")
+
+    def close(self, stop: dict | None) -> None:
+        self.group.shutdown()
+        super().close(stop)
