@@ -65,7 +65,7 @@ class Job:
         cmd += ["--data_dir", self.data, "--output_dir", str(self.out), "--max_steps", "1000000", "--eval_samples", "0"]
         cmd += ["--global_batch_size", str(8 * GROUPS), "--fault_tolerance", "replicas", "--replica_group_id", str(g)]
         cmd += ["--lighthouse", f"http://{self.hosts.addresses[GROUPS]}:{PORT}", "--replica_timeout_seconds", "5", "--trace_samples"]
-        cmd += ["--save_interval_minutes", "auto", "--mtbf_hours", "0.0333", *self.extra]
+        cmd += ["--save_every_minutes", "auto", "--mtbf_hours", "0.0333", *self.extra]
         self.hosts.popen(g, cmd, self.env, self.log(g), cwd=REPO)
 
     def log(self, g: int) -> Path:
@@ -129,6 +129,8 @@ def main() -> None:
             now, step = time.time(), job.step()
             if not commits or step > commits[-1][1]:
                 commits.append((now, step))
+            if now - commits[-1][0] > 180:
+                raise SystemExit(f"chaos_replicas: no step for 3 minutes: see the logs in {work}")
             if pending and "dropped" not in pending:
                 others = [g for g in job.live() if g != pending["group"]]
                 if any(re.search(r"groups? live \(were \d\)", job.text(g)[pending["marks"].get(g, 0) :]) for g in others):

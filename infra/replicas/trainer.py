@@ -111,15 +111,21 @@ class ReplicaTrainer(Trainer):
 
     def restore(self) -> tuple[str | None, dict]:
         """The first quorum; a heal from a live group, or (every group fresh) the newest checkpoint."""
-        self.seat = self.group.quorum()
+        self.seat = self.join_quorum()
         if self.seat.healed_from is not None:
-            self.heals.append((self.seat.healed_from, self.seat.seconds))
-            self.hooks.on_state("healed", self.state.step, self.model, self.optimizer)
             return f"a live replica group ({self.seat.seconds:.1f}s)", {"metrics": self.latest}
         path, manifest = super().restore()
         self.group.set_step(self.state.step)
         # this group's own MLflow run and goodput ledger, not those of the group that saved
         return path, {k: v for k, v in manifest.items() if k not in ("mlflow_run_id", "goodput")}
+
+    def join_quorum(self) -> Seat:
+        """The quorum of the next step; a group behind the others gets their state here."""
+        seat = self.group.quorum()
+        if seat.healed_from is not None:
+            self.heals.append((seat.healed_from, seat.seconds))
+            self.hooks.on_state("healed", self.state.step, self.model, self.optimizer)
+        return seat
 
     def start_line(self, path: str | None) -> str:
         acc, args, seat = self.accelerator, self.args, self.seat
@@ -136,10 +142,8 @@ class ReplicaTrainer(Trainer):
         while True:
             if self.seat is None:
                 self.watchdog.entering("the quorum")
-                self.seat = self.group.quorum()
-                if self.seat.healed_from is not None:  # behind the others (frozen, cut off): now their state
-                    self.heals.append((self.seat.healed_from, self.seat.seconds))
-                    self.hooks.on_state("healed", self.state.step, self.model, self.optimizer)
+                self.seat = self.join_quorum()
+                if self.seat.healed_from is not None:  # it was behind the others (frozen, cut off)
                     self.bar.n = self.state.step
             result = self.attempt(self.seat)
             self.seat = None
