@@ -136,7 +136,9 @@ class Groups:
             "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}",
             "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": "1",  # four processes on the runner's cores
-            FAULTS_ENV: json.dumps({"rank": "all", "slow_seconds": slow_seconds}),  # a slower step: the faults land mid-run
+            # a step of at least 2 x slow_seconds (2 micro-batches of 4 samples a group), whatever the CPU: the restarts
+            # (~10-15 s each) and heals land before step 320
+            FAULTS_ENV: json.dumps({"rank": "all", "slow_seconds": slow_seconds}),
         }
         import mlflow
 
@@ -224,7 +226,7 @@ def test_replica_groups_train_on_through_kills_a_frozen_group_and_a_dead_link(ki
     rng = random.Random(7)
     took: dict[str, list[float]] = {"kill": []}
     with Hosts(4) as hosts:
-        groups = Groups(hosts, small_data, tmp_path, slow_seconds=0.04 if kills > 1 else 0.02)
+        groups = Groups(hosts, small_data, tmp_path, slow_seconds=0.05 if kills > 1 else 0.08)
         groups.wait_step(5)
         # 1. SIGKILL at random steps, each group started again at once (it heals while the next one is killed)
         healing: dict[int, int] = {}  # a restarted group: the characters of its log before it heals
