@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("port", "min_replicas", "join_timeout_ms", "heartbeat_timeout_ms"):
         if getattr(args, name) < (0 if name == "port" else 1):
             parser.exit(2, f"lighthouse: {name}={getattr(args, name)} is not accepted: give an integer >= 1\n")
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft logs every quorum request at info: RUST_LOG=info to see them
     from torchft._torchft import LighthouseServer
 
     try:
