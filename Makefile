@@ -31,9 +31,11 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $@
 
-# What each recipe's default config needs before it starts: its prepared data (and for SFT, the pretrained model).
+# What each recipe's default config needs before it starts: its prepared data (and for SFT the pretrained model, for DPO
+# the SFT model).
 NEEDS_pretrain_clm := data/stdlib/index.json
 NEEDS_sft_clm := data/sft_stdlib/index.json runs/pretrain_tiny/final/model.safetensors
+NEEDS_dpo_clm := data/dpo_stdlib/index.json runs/sft_clm/final/model.safetensors
 NEEDS_finetune_classification := data/cls_stdlib/index.json
 NEEDS_image_classification := data/digits/index.json
 
@@ -45,6 +47,9 @@ data/stdlib/index.json: | $(STAMP)
 data/sft_stdlib/index.json: data/stdlib/index.json
 	$(BIN)/python -m infra.data.tasks --task sft --output_dir data/sft_stdlib --tokenizer data/stdlib/tokenizer
 
+data/dpo_stdlib/index.json: data/stdlib/index.json
+	$(BIN)/python -m infra.data.tasks --task dpo --output_dir data/dpo_stdlib --tokenizer data/stdlib/tokenizer
+
 data/cls_stdlib/index.json: | $(STAMP)
 	$(BIN)/python -m infra.data.tasks --task text_classification --output_dir data/cls_stdlib --seq_len 128
 
@@ -53,6 +58,9 @@ data/digits/index.json: | $(STAMP)
 
 runs/pretrain_tiny/final/model.safetensors: data/stdlib/index.json
 	$(MAKE) train RECIPE=pretrain_clm RUN_CONFIG=recipes/configs/pretrain_clm.yaml ARGS=
+
+runs/sft_clm/final/model.safetensors: data/sft_stdlib/index.json runs/pretrain_tiny/final/model.safetensors
+	$(MAKE) train RECIPE=sft_clm RUN_CONFIG=recipes/configs/sft_clm.yaml ARGS=
 
 train: setup data  ## train RECIPE (default pretrain_clm) with its config (RUN_CONFIG=, ACCEL_CONFIG=, ARGS= to change)
 	$(BIN)/accelerate launch --config_file $(ACCEL_CONFIG) recipes/$(RECIPE).py --config $(RUN_CONFIG) $(ARGS)

@@ -87,7 +87,7 @@ def sft(pairs: int, seq_len: int, batch_size: int, rounds: int = 2) -> float:
             ]
         for _, packing in itertools.product(range(rounds), rates):  # alternating: drifts of the machine hit both
             model, optimizer = model_and_optimizer(tokenizer, seq_len)
-            seconds, tokens = train_pass(model, optimizer, batches[packing], lambda m, b: sft_loss(m, b))
+            seconds, tokens = train_pass(model, optimizer, batches[packing], lambda m, b: sft_loss(m, b).loss)
             rates[packing].append(tokens / seconds)
             arm = "packed" if packing else "padded"
             print(f"sft {arm}: {len(batches[packing])} batches, {tokens:,} response tokens, {tokens / seconds:,.0f}/s")
@@ -111,7 +111,7 @@ def documents(steps: int, batch_size: int) -> float:
         for eos in itertools.islice(itertools.cycle(times), step % 2, step % 2 + 2):  # alternate which arm goes first
             start = time.perf_counter()
             with autocast():
-                loss = lm_loss(model, batch, eos_token_id=eos)
+                loss = lm_loss(model, batch, eos_token_id=eos).loss
             loss.backward()
             optimizer.zero_grad(set_to_none=True)  # no step: both arms see the same weights
             if step >= 2:

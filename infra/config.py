@@ -19,9 +19,13 @@ from typing import Any
 import yaml
 from transformers import HfArgumentParser
 
+from infra.errors import RunError
 
-class ConfigError(ValueError):
+
+class ConfigError(RunError, ValueError):
     """A configuration problem, phrased for the user in one sentence."""
+
+    kind = "config"
 
 
 def require(ok: bool, name: str, value: Any, accepted: str) -> None:

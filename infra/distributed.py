@@ -18,6 +18,7 @@ from accelerate.utils import DistributedType, InitProcessGroupKwargs, TorchDynam
 
 from infra.config import require
 from infra.environment import REPO
+from infra.errors import RunError
 from infra.precision import Precision, PrecisionError, resolve
 
 if TYPE_CHECKING:
@@ -27,8 +28,10 @@ if TYPE_CHECKING:
 FSDP_ON_CPU_ENV = "INFRA_FSDP_ON_CPU"
 
 
-class LaunchError(RuntimeError):
-    """The processes of this launch do not form the job they were launched as."""
+class LaunchError(RunError, RuntimeError):
+    """The processes of this launch do not form the job they were launched as (or the engine cannot run it)."""
+
+    kind = "launch"
 
 
 def launched_world_size() -> int:

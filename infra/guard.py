@@ -15,11 +15,11 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from infra.checkpoint import CheckpointError, CheckpointManager
+from infra.checkpoint import CheckpointManager
 from infra.config import require
 from infra.data import DataCursor
 from infra.data.mixture import MixtureCursor
-from infra.recipe import exit_on
+from infra.errors import HealthError
 
 
 def nonfinite(loss: torch.Tensor, grad_norm: torch.Tensor | float | None) -> torch.Tensor:
@@ -97,17 +97,15 @@ class NonFiniteGuard:
         Returns the manifest rolled back to."""
         c = self.config
         if c.on_bad_steps == "stop":
-            raise SystemExit(f"health error: {self.in_a_row} non-finite steps in a row at step {state.step} (on_bad_steps=stop)")
+            raise HealthError(f"{self.in_a_row} non-finite steps in a row at step {state.step} (on_bad_steps=stop)")
         if state.rollbacks >= c.max_rollbacks:
-            raise SystemExit(f"health error: non-finite steps again after {state.rollbacks} rollbacks (max_rollbacks={c.max_rollbacks})")
+            raise HealthError(f"non-finite steps again after {state.rollbacks} rollbacks (max_rollbacks={c.max_rollbacks})")
         bad_step, position = state.step, repr(cursor)
-        with exit_on(CheckpointError, "checkpoint error"), relaxed():
+        with relaxed():
             self.checkpoints.wait()
             path, manifest = self.checkpoints.resume("auto", checksums=self.verify_checksums)
         if path is None:
-            raise SystemExit(
-                f"health error: {c.max_bad_steps} non-finite steps in a row at step {bad_step} and no checkpoint to roll back to"
-            )
+            raise HealthError(f"{c.max_bad_steps} non-finite steps in a row at step {bad_step} and no checkpoint to roll back to")
         state.load_state_dict({**manifest, "skipped_steps": state.skipped_steps, "rollbacks": state.rollbacks + 1})
         saved = copy.deepcopy(cursor)  # the cursor's own kind (one source or a mixture) at the checkpoint's position
         saved.load_state_dict(manifest["cursor"])

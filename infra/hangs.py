@@ -44,6 +44,7 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
+from infra.errors import RunError
 from infra.files import fsync_dir
 
 PEER_LOST_EXIT_CODE = 76  # a peer lost or a step hung: the job can go on from its newest checkpoint, with or without that host
@@ -202,7 +203,8 @@ class Watchdog:
             yield
         except RuntimeError as err:  # what torch.distributed raises (DistError and its kinds); a data timeout is not one
             text = str(err)
-            if self.store is None or not (RESET.search(text) or "timed out" in text.lower() or "timeout" in text.lower()):
+            ours = isinstance(err, RunError)  # a CheckpointError, say: said in its own line by the recipe's entry point
+            if ours or self.store is None or not (RESET.search(text) or "timed out" in text.lower() or "timeout" in text.lower()):
                 raise
             self.fire(self.from_error(text), join=False)
 

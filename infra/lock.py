@@ -23,6 +23,8 @@ import socket
 import time
 from pathlib import Path
 
+from infra.errors import OutputDirError
+
 LOCK_NAME = "job.lock"
 UNSUPPORTED = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 
@@ -101,4 +103,4 @@ def claim(accelerator, output_dir: str | os.PathLike) -> None:
         _held.append(lock)
     problem = gathered(accelerator, problem)[0]
     if problem is not None:
-        raise SystemExit(f"output_dir error: {problem}")
+        raise OutputDirError(problem)

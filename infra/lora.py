@@ -18,6 +18,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from infra.config import require
+from infra.errors import ModelError, raised_as
 
 EXPORTS = ("merged", "adapter")
 
@@ -49,7 +50,7 @@ class LoraArguments:
 
 def with_lora(model: torch.nn.Module, args: LoraArguments, task_type: str) -> torch.nn.Module:
     """`model` with LoRA adapters (peft's task_type: CAUSAL_LM, SEQ_CLS, ...), or `model` itself without use_peft.
-    A ValueError names target modules that match nothing."""
+    A ModelError names target modules that match nothing."""
     if not args.use_peft:
         return model
     from peft import LoraConfig, get_peft_model
@@ -62,7 +63,8 @@ def with_lora(model: torch.nn.Module, args: LoraArguments, task_type: str) -> to
         lora_dropout=args.lora_dropout,
         target_modules=targets if targets == "all-linear" else [name.strip() for name in targets.split(",")],
     )
-    return get_peft_model(model, config)
+    with raised_as(ModelError, ValueError):  # peft's: target modules the model does not have
+        return get_peft_model(model, config)
 
 
 def is_adapted(model: torch.nn.Module) -> bool:

@@ -9,6 +9,8 @@
                  under bf16 autocast (norms and the residual stream stay fp32); eager attention adds the heads' s x s
                  scores; a causal LM adds its logits and their log-softmax (vocab x 8 B per token in fp32, 10 B in
                  bf16). With activation checkpointing: each layer's input, plus the larger of one layer and the logits.
+    companions   frozen models beside it (DPO's reference): 4 B per parameter (DeepSpeed bf16: 2 B), divided by the
+                 world size under ZeRO-3 and FSDP full sharding, as they are placed (infra.companions)
     runtime      1 GiB on a GPU (CUDA context, NCCL buffers), 0.1 GiB on a CPU
 
 The coefficients were measured on CPU (peak resident memory of a Llama training step, tests/test_memory.py checks
@@ -42,6 +44,7 @@ class Shape:
     seq_len: int
     vocab: int | None = None  # a causal LM's logits; None for a classifier (its logits are negligible)
     eager_attention: bool = False  # the s x s scores are kept (sdpa, flash and flex kernels keep none)
+    companions: int = 0  # parameters of frozen models beside it (a DPO reference: infra.job.Companion)
 
     @classmethod
     def of(cls, model: torch.nn.Module, batch: int, seq_len: int, causal_lm: bool) -> Shape:
@@ -113,10 +116,13 @@ def estimate(shape: Shape, setup: Setup) -> dict[str, float]:
         weights /= world
     if setup.offload_optimizer:
         optimizer = 0.0
+    # a frozen companion: its weights only (DeepSpeed bf16 holds them in bf16), sharded where the weights are
+    companions = shape.companions * (2 if deepspeed and setup.bf16 else 4) / (world if setup.engine in ("zero3", "fsdp") else 1)
     if setup.offload_parameters:
-        weights = 0.0
+        weights = companions = 0.0
     return {
         "weights": weights,
+        **({"companions": companions} if shape.companions else {}),
         "gradients": gradients,
         "optimizer": optimizer,
         "activations": activations(shape, setup),

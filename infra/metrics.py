@@ -1,4 +1,5 @@
-"""The training metrics: built in one place (`TrainMetrics.collect`), throughput, FLOPs and classification scores.
+"""The training metrics: built in one place (`TrainMetrics.collect`), throughput, the pace after the first steps
+(`EtaCheck`), FLOPs and classification scores.
 
 A new per-step metric is a line in `TrainMetrics.collect` (and its test in tests/test_tracking.py).
 """
@@ -62,6 +63,10 @@ class TrainMetrics:
         self.peak = peak_bf16_flops(torch.cuda.get_device_name(accelerator.device) if accelerator.device.type == "cuda" else None)
         self.meter = Throughput(unit)
         self.loss_sum, self.loss_count = torch.zeros((), device=accelerator.device), 0
+        # the recipe's own metrics (infra.job.LossOutput.metrics): sums and samples of the window's kept steps, and of
+        # the step under way; the names as the loss gives them (the same code on every rank gives the same names)
+        self.recipe: dict[str, torch.Tensor] = {}
+        self.step_recipe: dict[str, torch.Tensor] = {}
 
     def count_step(self, units: int) -> None:
         """An optimizer step's units (tokens, samples) for the throughput."""
@@ -81,29 +86,44 @@ class TrainMetrics:
         """A micro-batch's per-sample loss sums and items, added to their sources' (kept if the step is)."""
         self.step_by_source.index_add_(1, sources, torch.stack([sums.float(), counts.float()]))
 
+    def add_recipe_metrics(self, metrics: dict[str, torch.Tensor], samples: int) -> None:
+        """A micro-batch's recipe metrics (each summed over its `samples`), added to the step's (kept if the step is)."""
+        for name, value in metrics.items():
+            total = self.step_recipe.setdefault(name, torch.zeros(2, device=self.accelerator.device))
+            total += torch.stack([value.detach().float().reshape(()), torch.tensor(float(samples), device=total.device)])
+
     def end_step(self, keep: bool) -> None:
         if keep:
             self.by_source += self.step_by_source
+            for name, total in self.step_recipe.items():
+                self.recipe[name] = self.recipe.get(name, 0) + total
         self.step_by_source.zero_()
+        self.step_recipe.clear()
 
     def reset_loss(self) -> None:
         self.loss_sum.zero_()
         self.loss_count = 0
         self.by_source.zero_()
+        self.recipe.clear()
 
     def collect(self, learning_rate: float, units_seen: int, epoch: int, grad_norm) -> tuple[dict[str, float], float]:
         """The metrics of the window since the last call, and its mean loss per item over every rank (one reduce of the
         loss across ranks; NaN when every step of the window was skipped: the count is the same on every rank)."""
         acc = self.accelerator
         count = float(self.loss_count)
-        # one reduce of the loss and of every source's loss sums and items
-        reduced = acc.reduce(torch.cat([self.loss_sum.reshape(1).float(), self.by_source.flatten()]), "sum").tolist()
+        # one reduce of the loss, of every source's loss sums and items, and of the recipe's metrics and their samples
+        names = sorted(self.recipe)
+        recipe = [self.recipe[name] for name in names]
+        parts = [self.loss_sum.reshape(1).float(), self.by_source.flatten(), *recipe]
+        reduced = acc.reduce(torch.cat(parts), "sum").tolist()
         mean_loss = reduced[0] / count if count else math.nan
         k = len(self.sources)
-        sums, items = reduced[1 : 1 + k], reduced[1 + k :]
+        sums, items = reduced[1 : 1 + k], reduced[1 + k : 1 + 2 * k]
+        pairs = reduced[1 + 2 * k :]
         logged: dict[str, Any] = {
             **({"train/loss": mean_loss} if count else {}),
             **{f"train/loss/{name}": s / n for name, s, n in zip(self.sources, sums, items, strict=True) if n},
+            **{f"train/{name}": pairs[2 * i] / pairs[2 * i + 1] for i, name in enumerate(names) if pairs[2 * i + 1]},
             "train/learning_rate": learning_rate,
             f"train/{self.unit}_seen": units_seen,
             "train/epoch": epoch,
@@ -122,6 +142,46 @@ class TrainMetrics:
             logged["train/grad_norm"] = float(grad_norm)
         self.reset_loss()
         return logged, mean_loss
+
+
+class EtaCheck:
+    """After `after` steps from the start (the first excluded: it compiles and allocates), the pace and the time to the end."""
+
+    def __init__(
+        self,
+        accelerator,
+        start_step: int,
+        max_steps: int,
+        units_per_step: int,
+        budget_hours: float,
+        after: int = 10,
+        unit: str = "tokens",
+    ):
+        self.accelerator, self.start_step, self.max_steps = accelerator, start_step, max_steps
+        self.units_per_step, self.budget_hours, self.after, self.unit = units_per_step, budget_hours, after, unit
+        self._t0: float | None = None
+
+    def step(self, step: int) -> dict[str, float]:
+        if step == self.start_step + 1:
+            self._t0 = time.perf_counter()
+        if self._t0 is None or step != self.start_step + 1 + self.after:
+            return {}
+        rate = self.after / (time.perf_counter() - self._t0)
+        hours = (self.max_steps - step) / rate / 3600
+        self.accelerator.print(
+            f"pace: {rate:.2f} steps/s, {rate * self.units_per_step:,.0f} {self.unit}/s; "
+            f"{self.max_steps - step} steps to go take ~{_hours(hours)}"
+        )
+        if self.budget_hours and hours > self.budget_hours:
+            self.accelerator.print(
+                f"warning: the run needs ~{_hours(hours)} more, over time_budget_hours={self.budget_hours:g}: "
+                "lower max_steps, or add GPUs (python -m infra.plan)"
+            )
+        return {"perf/eta_hours": hours}
+
+
+def _hours(h: float) -> str:
+    return f"{h * 60:.1f} min" if h < 1 else f"{h:.1f} h"
 
 
 # Dense bf16 peak of one device, in TFLOP/s, from the vendors' data sheets (no sparsity).

@@ -6,7 +6,7 @@ across all ranks, the data index, a real `save_state`/`load_state` round trip of
 model and optimizer (timed, and compared), free disk in `output_dir` against what the kept
 checkpoints will take (measured from that round trip), checkpoint_upload_dir, and the MLflow store. It prints one table;
 any failure ends the run with exit code 1 before a step is taken, each with its own message.
-After the first steps, `EtaCheck` prints steps/s, tokens/s and the time to `max_steps`.
+(After the first steps, infra.metrics.EtaCheck prints the pace and the time to `max_steps`.)
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from infra.checkpoint.integrity import seal_shared
 from infra.checkpoint.trainable import load_state
 from infra.config import require
 from infra.distributed import all_ranks_ok
+from infra.errors import RunError
 from infra.health import parameter_fingerprint
 from infra.memory import GIB, Setup, Shape, estimate, refusal, table, usable_memory
 
@@ -49,8 +50,13 @@ class PreflightConfig:
         require(self.time_budget_hours >= 0, "time_budget_hours", self.time_budget_hours, "a number of hours >= 0")
 
 
-class PreflightError(SystemExit):
+class PreflightError(RunError):
     """A preflight check failed: the message names the check and what to do."""
+
+    kind = "preflight"
+
+    def line(self) -> str:
+        return str(self)  # "preflight failed: <check>: <what to do>"
 
 
 @dataclass
@@ -302,43 +308,3 @@ def run_preflight(
     if failed:
         raise PreflightError("preflight failed: " + "; ".join(dict.fromkeys(failed)))
     return save_seconds
-
-
-class EtaCheck:
-    """After `after` steps from the start (the first excluded: it compiles and allocates), the pace and the time to the end."""
-
-    def __init__(
-        self,
-        accelerator: Accelerator,
-        start_step: int,
-        max_steps: int,
-        units_per_step: int,
-        budget_hours: float,
-        after: int = 10,
-        unit: str = "tokens",
-    ):
-        self.accelerator, self.start_step, self.max_steps = accelerator, start_step, max_steps
-        self.units_per_step, self.budget_hours, self.after, self.unit = units_per_step, budget_hours, after, unit
-        self._t0: float | None = None
-
-    def step(self, step: int) -> dict[str, float]:
-        if step == self.start_step + 1:
-            self._t0 = time.perf_counter()
-        if self._t0 is None or step != self.start_step + 1 + self.after:
-            return {}
-        rate = self.after / (time.perf_counter() - self._t0)
-        hours = (self.max_steps - step) / rate / 3600
-        self.accelerator.print(
-            f"pace: {rate:.2f} steps/s, {rate * self.units_per_step:,.0f} {self.unit}/s; "
-            f"{self.max_steps - step} steps to go take ~{_hours(hours)}"
-        )
-        if self.budget_hours and hours > self.budget_hours:
-            self.accelerator.print(
-                f"warning: the run needs ~{_hours(hours)} more, over time_budget_hours={self.budget_hours:g}: "
-                "lower max_steps, or add GPUs (python -m infra.plan)"
-            )
-        return {"perf/eta_hours": hours}
-
-
-def _hours(h: float) -> str:
-    return f"{h * 60:.1f} min" if h < 1 else f"{h:.1f} h"

@@ -6,7 +6,8 @@ and the entry point that turns every exit into a code for the launcher.
     model = load_pretrained(AutoModel..., name, hint)      # or the recipe's own
     train(accelerator, args, data_args, config, Job(...))  # infra.trainer
 
-A bad input ends the program with one line naming it (`exit_on`), before anything is written.
+A bad input raises a typed error (infra.errors) before anything is written; `run_recipe`, the entry point, says it in
+one line and exits with 1.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from infra.config import ConfigError, require
-from infra.data import DataArguments, PackedDataset, check_fits_model
-from infra.data.mixture import MixtureDataset, Source, parse_sources
-from infra.distributed import LaunchError, build_accelerator
+from infra.config import require
+from infra.data import DataArguments, DataError, PackedDataset, check_fits_model
+from infra.data.mixture import Mixture, MixtureDataset, parse_sources
+from infra.distributed import build_accelerator
+from infra.errors import ModelError, RunError, raised_as
 from infra.files import sha256_file
 from infra.levers import dynamo_plugin
 from infra.metrics import flops_per_token
@@ -39,15 +41,6 @@ from infra.tracking import run_status
 
 if TYPE_CHECKING:
     from infra.trainer import TrainingArguments
-
-
-@dataclass
-class Mixture:
-    """The sources of a data_mixture (infra.data.mixture): their training samples and shard sizes, in order."""
-
-    sources: list[Source]
-    sizes: list[int]
-    shard_sizes: list[list[int]]
 
 
 @dataclass
@@ -83,8 +76,8 @@ def open_data(
     first = opened[0][0]
     for source, (dataset, _, _) in zip(sources[1:], opened[1:], strict=True):
         if (mine := alike(dataset)) != (theirs := alike(first)):
-            raise SystemExit(
-                f"data error: data_mixture source {source.name!r} ({source.data_dir}) has {mine}, and {sources[0].name!r} "
+            raise DataError(
+                f"data_mixture source {source.name!r} ({source.data_dir}) has {mine}, and {sources[0].name!r} "
                 f"has {theirs}: every source must be prepared alike"
             )
     names = [s.name for s in sources]
@@ -102,7 +95,7 @@ def alike(dataset: PackedDataset) -> dict:
 
 def open_one(data_dir: str, data_args: DataArguments, preflight_hashes: bool, fields, made_by: str, optional):
     """One prepared dataset, checked, its fields the recipe's, split into (dataset, train, held-out)."""
-    try:
+    with raised_as(DataError, ValueError):
         dataset = PackedDataset(
             data_dir,
             verify_checksums=data_args.verify_data_checksums and not preflight_hashes,
@@ -114,19 +107,16 @@ def open_one(data_dir: str, data_args: DataArguments, preflight_hashes: bool, fi
             check=int(os.environ.get("LOCAL_RANK", "0")) == 0,
         )
         train_set, held_out = dataset.split(data_args.eval_samples)
-    except ValueError as err:
-        raise SystemExit(f"data error: {err}") from None
     if not set(fields) <= set(dataset.fields) <= set(fields) | set(optional):
         reads = list(fields) + [f"{name} (optional)" for name in optional]
-        raise SystemExit(f"data error: {data_dir} holds {dataset.fields}, this recipe reads {reads} ({made_by})")
+        raise DataError(f"{data_dir} holds {dataset.fields}, this recipe reads {reads} ({made_by})")
     return dataset, train_set, held_out
 
 
 def causal_lm_flops(model: torch.nn.Module, dataset: PackedDataset, eos_token_id: int) -> float:
-    """Check that the token data fits the causal LM (vocabulary, positions, EOS), or exit in one line; then
-    its training FLOPs per token, counted before ZeRO-3 partitions the parameters."""
-    with exit_on(ValueError, "data error"):
-        check_fits_model(dataset.index, eos_token_id, model.config)
+    """Check that the token data fits the causal LM (vocabulary, positions, EOS: DataError); then its training FLOPs per
+    token, counted before ZeRO-3 partitions the parameters."""
+    check_fits_model(dataset.index, eos_token_id, model.config)
     c = model.config
     return flops_per_token(sum(p.numel() for p in model.parameters()), c.num_hidden_layers, c.hidden_size, dataset.seq_len)
 
@@ -189,9 +179,10 @@ def class_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tens
         return torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none"), torch.ones_like(labels, dtype=torch.float)
 
 
-def run_recipe(main: Callable[[], None]) -> NoReturn:
-    """A recipe's entry point: main() under `run_status`, then the exit that main() chose (0 at the end or after a
-    preemption, 75 for a straggler, 1 with a one-line error), without the interpreter's finalization.
+def run_recipe(main: Callable[[], int | None]) -> NoReturn:
+    """A recipe's entry point: main() under `run_status`, then the exit code main() returned (0 at the end or after a
+    preemption, 75 for a straggler), or 1 with the one line of a RunError (infra.errors), without the interpreter's
+    finalization.
 
     Why: after a clean finish (process group destroyed, files committed, MLflow run ended), a rank
     sometimes aborted in C++ static destructors at exit ("terminate called without an active
@@ -202,9 +193,11 @@ def run_recipe(main: Callable[[], None]) -> NoReturn:
     """
     try:
         with run_status():
-            main()
-        code = 0
-    except SystemExit as exit_:
+            code = main() or 0
+    except RunError as err:
+        print(err.line(), file=sys.stderr)
+        code = 1
+    except SystemExit as exit_:  # parse_config's (exit 2), as argparse's
         code = exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 1
         if not isinstance(exit_.code, int | None):
             print(exit_.code, file=sys.stderr)
@@ -226,13 +219,9 @@ def start(args: TrainingArguments) -> Accelerator:
     A fatal signal (a segfault, an abort in C++ at exit) prints every thread's Python stack first.
     """
     faulthandler.enable(all_threads=True)
-    try:
-        log_with = None if args.report_to == "none" else args.report_to
-        accelerator, precision = build_accelerator(args, log_with, dynamo_plugin(args))
-    except LaunchError as err:
-        raise SystemExit(f"launch error: {err}") from None
-    except ConfigError as err:  # what depends on the launch: global_batch_size against the processes started
-        raise SystemExit(f"config error: {err}") from None
+    log_with = None if args.report_to == "none" else args.report_to
+    # LaunchError; ConfigError for what depends on the launch (global_batch_size against the processes started)
+    accelerator, precision = build_accelerator(args, log_with, dynamo_plugin(args))
     accelerator.print(precision)
     set_seed(args.seed)
     return accelerator
@@ -241,25 +230,16 @@ def start(args: TrainingArguments) -> Accelerator:
 HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
 
 
-def model_source(name: str, hint: str) -> str:
-    """`name` if it is an existing path or shaped like a hub id; else a one-line exit with `hint`."""
+def model_source(name: str, hint: str, flag: str = "model_name_or_path") -> str:
+    """`name` if it is an existing path or shaped like a hub id; else a ModelError naming `flag`, with `hint`."""
     if Path(name).exists() or HUB_ID.fullmatch(name):
         return name
-    raise SystemExit(f"model error: model_name_or_path={name!r} is neither an existing path nor a hub id: {hint}")
+    raise ModelError(f"{flag}={name!r} is neither an existing path nor a hub id: {hint}")
 
 
-def load_pretrained(load: Callable[..., Any], name: str, hint: str, **kwargs) -> Any:
-    """`load(name, **kwargs)` (a `from_pretrained`), or a one-line exit naming the model: a name that is neither a path
-    nor a hub id, a folder without the model's files, a hub id that cannot be fetched."""
-    source = model_source(name, hint)
-    with exit_on((OSError, ValueError), "model error"):  # ValueError: a folder whose config.json names no model
+def load_pretrained(load: Callable[..., Any], name: str, hint: str, flag: str = "model_name_or_path", **kwargs) -> Any:
+    """`load(name, **kwargs)` (a `from_pretrained`), or a ModelError naming the model: a name that is neither a path nor
+    a hub id, a folder without the model's files, a hub id that cannot be fetched."""
+    source = model_source(name, hint, flag)
+    with raised_as(ModelError, OSError, ValueError):  # ValueError: a folder whose config.json names no model
         return load(source, **kwargs)
-
-
-@contextlib.contextmanager
-def exit_on(error: type[Exception] | tuple[type[Exception], ...], prefix: str):
-    """Turn `error` into a one-line exit: `with exit_on(CheckpointError, "checkpoint error"): ...`."""
-    try:
-        yield
-    except error as err:
-        raise SystemExit(f"{prefix}: {err}") from None

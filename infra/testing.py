@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from infra.trainer import Hooks
+from infra.hooks import Hooks
 
 FAULTS_ENV = "INFRA_TEST_FAULTS"
 PAUSE_ENV = "INFRA_TEST_PAUSE_IN_SAVE"

@@ -26,8 +26,8 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -45,11 +45,12 @@ from infra.checkpoint import (
     SaveClockConfig,
 )
 from infra.checkpoint.trainable import has_frozen_parameters, keep_trainable_only
+from infra.companions import companion_parameters, prepare_companions
 from infra.config import require
 from infra.consensus import StepConsensus
-from infra.data import DataArguments, DataCursor, ResumableLoader, SampleTrace, eval_batches
+from infra.data import DataArguments, SampleTrace, eval_batches
 from infra.data.errors import DataError
-from infra.data.mixture import MixtureCursor, MixtureDataset, MixtureLoader
+from infra.data.stream import named_parts, training_stream
 from infra.distributed import LaunchError, ready_for_fsdp
 from infra.environment import environment_facts
 from infra.export import Exporter
@@ -57,20 +58,21 @@ from infra.goodput import Goodput, summary
 from infra.guard import NonFiniteConfig, NonFiniteGuard
 from infra.hangs import Watchdog, log_forensics, roster
 from infra.health import STRAGGLER_EXIT_CODE, HealthConfig, StragglerDetector, check_replicas_in_sync
+from infra.hooks import Hooks
+from infra.job import Batch, Job, LossOutput
 from infra.levers import LeverConfig, checkpoint_activations, compile_blocks
 from infra.lock import claim
 from infra.lora import check_engine
 from infra.memory import Setup, Shape
-from infra.metrics import TrainMetrics
+from infra.metrics import EtaCheck, TrainMetrics
 from infra.optim import OptimizerConfig, build_optimizer, build_scheduler
 from infra.precision import PrecisionConfig
 from infra.preemption import Preemption, PreemptionConfig, clear_stop_record, write_stop_record
-from infra.preflight import EtaCheck, PreflightConfig, run_preflight
-from infra.recipe import Data, attention_of, exit_on
+from infra.preflight import PreflightConfig, run_preflight
+from infra.recipe import Data, attention_of
 from infra.replicas import ReplicaConfig
+from infra.testing import hooks_from_env
 from infra.tracking import MetricLogger, TrackingConfig, end_run, last_logged_step, run_name_for, run_tags, start_run, tracking_uri
-
-Batch = torch.Tensor | dict[str, torch.Tensor]
 
 
 @dataclass
@@ -160,30 +162,6 @@ def check_data_and_training(data_args: DataArguments, args: TrainingArguments) -
         )
 
 
-@dataclass
-class Job:
-    """What a recipe hands to the Trainer: its model and data, and the few things only it knows."""
-
-    name: str  # the recipe: MLflow experiment (unless set), tags, model card
-    model: torch.nn.Module  # not prepared yet: the Trainer builds the optimizer, schedule and loader, then prepares
-    data: Data
-    # The training loss of one micro-batch: summed over its items and divided by the Trainer's `num_items_in_batch`
-    # (transformers' models take it as a keyword), so that the gradient of the optimizer step is that of the mean
-    # loss per item over every micro-batch of every rank, whatever the accumulation and the world size.
-    loss: Callable[[torch.nn.Module, Batch, torch.Tensor], torch.Tensor]
-    processor: Any  # tokenizer or image processor, exported next to the weights
-    task: str  # MLflow transformers task of the export: text-generation, text-classification, image-classification
-    evaluate: Callable[[Accelerator, torch.nn.Module, Iterable[Batch]], dict[str, float]] | None = None
-    unit: str = "tokens"  # what throughput counts: perf/{unit}_per_second, train/{unit}_seen
-    units_per_sample: int = 1
-    flops_per_unit: float | None = None  # training FLOPs per unit, for perf/mfu on known GPUs
-    items: Callable[[Batch], torch.Tensor] | None = None  # what `loss` sums over in a micro-batch (tokens, say); None: samples
-    adapter_only: bool = False  # a LoRA model's export: the adapter alone, not merged into the base (infra.lora)
-    # `loss(model, batch, n, per_sample=True)` also returns each sample's summed loss and items: with a data_mixture,
-    # the loss of each source is logged (train/loss/<name>)
-    per_sample_losses: bool = False
-
-
 class TrainState:
     """Loop counters that must survive a restart, kept in the checkpoint's manifest."""
 
@@ -203,26 +181,6 @@ class TrainState:
         self.rollbacks = int(state.get("rollbacks", 0))
 
 
-class Hooks:
-    """Points where a test acts on the loop (infra.testing.Faults); these do nothing."""
-
-    def on_loss(self, loss: torch.Tensor, batch: int) -> torch.Tensor:
-        """The loss of the `batch`-th micro-batch since the run began, inside the timed forward pass."""
-        return loss
-
-    def on_step_end(self, step: int) -> None:
-        """After optimizer step `step`, before the watchdog hears of it."""
-
-    def before_commit(self, step: int) -> None:
-        """Between a synchronous save_state and its commit."""
-
-    def before_optimizer_step(self, step: int, model: torch.nn.Module, grad_norm) -> None:
-        """After the backward passes and clipping of `step`, before the optimizer steps (DeepSpeed has stepped already)."""
-
-    def on_state(self, event: str, step: int, model: torch.nn.Module, optimizer) -> None:
-        """On every rank, once the state of `step` is saved ("saved") or loaded ("resumed")."""
-
-
 @dataclass
 class StepResult:
     """What one optimizer step did, as every rank agrees."""
@@ -239,7 +197,8 @@ def job_shape(job: Job, args: TrainingArguments) -> Shape | None:
     config = getattr(job.model, "config", None)
     if job.unit != "tokens" or not all(hasattr(config, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads")):
         return None
-    return Shape.of(job.model, args.per_device_train_batch_size, job.units_per_sample, causal_lm=job.task == "text-generation")
+    shape = Shape.of(job.model, args.per_device_train_batch_size, job.units_per_sample, causal_lm=job.task == "text-generation")
+    return replace(shape, companions=companion_parameters(job.companions))
 
 
 def samples_in(batch: Batch) -> int:
@@ -254,42 +213,20 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
 
 def build_loader(accelerator: Accelerator, data: Data, data_args: DataArguments, args: TrainingArguments):
     """This rank's resumable loader over the training samples (one dataset, or a mixture of several), and its cursor."""
-    if data.mixture is not None:
-        m = data.mixture
-        cursor = MixtureCursor(m.sources, m.sizes, allow_new_segment=data_args.new_mixture_segment)
-        loader = MixtureLoader(
-            data.train,
-            cursor,
-            m.shard_sizes,
-            args.per_device_train_batch_size,
-            args.seed,
-            accelerator.process_index,
-            accelerator.num_processes,
-            num_workers=data_args.num_workers,
-            shuffle_window=data_args.shuffle_window,
-            pin_memory=accelerator.device.type == "cuda",
-        )
-        return loader, cursor
-    cursor = DataCursor()
-    try:
-        loader = ResumableLoader(
-            data.train,
-            args.per_device_train_batch_size,
-            args.seed,
-            accelerator.process_index,
-            accelerator.num_processes,
-            cursor,
-            num_workers=data_args.num_workers,
-            shuffle_window=data_args.shuffle_window,
-            pin_memory=accelerator.device.type == "cuda",
-        )
-    except ValueError as err:
-        raise SystemExit(f"data error: {err}") from None
-    if 0 < len(data.held_out) < accelerator.num_processes:
-        raise SystemExit(
-            f"data error: eval_samples={len(data.held_out)} is fewer than the {accelerator.num_processes} processes evaluating it"
-        )
-    return loader, cursor
+    acc = accelerator
+    stream = training_stream(
+        data.train,
+        data.mixture,
+        data_args,
+        args.per_device_train_batch_size,
+        args.seed,
+        acc.process_index,
+        acc.num_processes,
+        pin_memory=acc.device.type == "cuda",
+    )
+    if 0 < len(data.held_out) < acc.num_processes:
+        raise DataError(f"eval_samples={len(data.held_out)} is fewer than the {acc.num_processes} processes evaluating it")
+    return stream
 
 
 class Trainer:
@@ -307,10 +244,10 @@ class Trainer:
         acc = self.accelerator = accelerator
         self.args, self.data_args, self.config, self.job = args, data_args, config, job
         self.hooks = hooks or Hooks()
-        with exit_on(LaunchError, "launch error"):  # a refusal here leaves nothing on disk, not even the lock
-            checkpoint_activations(acc, job.model, args.gradient_checkpointing)
-            if why := check_engine(acc, job.model):
-                raise LaunchError(why)
+        # a refusal here (LaunchError) leaves nothing on disk, not even the lock
+        checkpoint_activations(acc, job.model, args.gradient_checkpointing)
+        if why := check_engine(acc, job.model):
+            raise LaunchError(why)
         claim(acc, self.own_dir)  # one job per output_dir: before anything is written, held to the end
         if acc.is_main_process:
             clear_stop_record(self.own_dir)
@@ -322,6 +259,8 @@ class Trainer:
         self.model, self.optimizer = acc.prepare(job.model, optimizer)
         if has_frozen_parameters(acc):  # LoRA: checkpoints hold the adapter (and its optimizer state) only
             keep_trainable_only(acc)
+        for line in prepare_companions(acc, job.companions):  # frozen models beside it: placed, sharded, never saved
+            acc.print(line)
         self.scheduler = acc.prepare_scheduler(build_scheduler(self.optimizer, args, args.max_steps))
         self.units_per_step = self.loader.global_batch_size * args.gradient_accumulation_steps * job.units_per_sample
 
@@ -359,6 +298,7 @@ class Trainer:
         self.eta: EtaCheck | None = None
         self.bar: tqdm | None = None
         self.step_started = time.monotonic()
+        self.learning_rate = 0.0  # the rate of the last step taken: train/learning_rate
 
     @property
     def own_dir(self) -> str:
@@ -366,13 +306,13 @@ class Trainer:
         output_dir; a replica group's folder in it with fault_tolerance (infra.replicas)."""
         return self.args.output_dir
 
-    def run(self) -> None:
-        """Everything, on every rank: the steps of a run, and one exit."""
+    def run(self) -> int:
+        """Everything, on every rank: the steps of a run, and one exit: its code (0, or 75 after a straggler)."""
         args, state = self.args, self.state
         save_seconds = self.preflight()
         if args.preflight_only:
             self.accelerator.end_training()  # the process group destroyed before exit, as on every agreed exit
-            return
+            return 0
         self.resume(save_seconds)
         stop = None
         with self.preemption.armed(), self.watchdog.explaining():
@@ -396,7 +336,7 @@ class Trainer:
             with self.watchdog.relaxed():
                 if stop is None:
                     self.export()
-                self.close(stop)
+                return self.close(stop)
 
     def preflight(self) -> float:
         """Devices, a collective, data, a checkpoint round trip, disk, MLflow: nothing trains if one fails. The seconds a save took."""
@@ -453,12 +393,10 @@ class Trainer:
     def restore(self) -> tuple[str | None, dict]:
         """The state of the newest checkpoint that verifies, loaded: its path and manifest (none: a fresh start)."""
         args, state = self.args, self.state
-        with exit_on(CheckpointError, "checkpoint error"):
-            path, manifest = self.checkpoints.resume(args.resume_from_checkpoint, checksums=args.verify_checksums)
+        path, manifest = self.checkpoints.resume(args.resume_from_checkpoint, checksums=args.verify_checksums)
         if manifest:
             state.load_state_dict(manifest)
-            with exit_on(DataError, "data error"):  # a data_mixture other than the checkpoint's, say
-                self.cursor.load_state_dict(manifest["cursor"])
+            self.cursor.load_state_dict(manifest["cursor"])  # DataError: a data_mixture other than the checkpoint's, say
             self.hooks.on_state("resumed", state.step, self.model, self.optimizer)
         return path, manifest
 
@@ -483,7 +421,7 @@ class Trainer:
     def data_tags(self) -> dict[str, str]:
         """MLflow tags of what the model reads: its attention kernel; a mixture's segments (weights, where each began)."""
         tags = {"attn_implementation": str(attention_of(self.job.model))}
-        if isinstance(self.cursor, MixtureCursor):
+        if self.cursor.segments:
             tags["data_mixture_segments"] = json.dumps(self.cursor.segments)
         return tags
 
@@ -505,11 +443,7 @@ class Trainer:
         for batch, position, sources in micro_batches:
             with acc.accumulate(self.model):
                 with self.stragglers.compute():
-                    if sources is None:
-                        loss = self.job.loss(self.model, batch, num_items_in_batch)
-                    else:  # a data_mixture: each sample's loss, added to its source's
-                        loss, sums, counts = self.job.loss(self.model, batch, num_items_in_batch, per_sample=True)
-                        self.metrics.add_source_losses(sources, sums, counts)
+                    loss = self.micro_loss(batch, num_items_in_batch, sources)
                     loss = self.hooks.on_loss(loss, position)
                 acc.backward(loss)
             step_loss += loss.detach()
@@ -519,6 +453,17 @@ class Trainer:
         self.hooks.before_optimizer_step(state.step + 1, self.model, grad_norm)
         # this rank's summed item losses; the step's items
         return self.update(step_loss, step_loss * num_items_in_batch, items, grad_norm)
+
+    def micro_loss(self, batch: Batch, num_items_in_batch: torch.Tensor, sources: torch.Tensor | None = None) -> torch.Tensor:
+        """The job's loss of one micro-batch; its metrics (and with a data_mixture each sample's loss, to its source's)
+        kept for the log."""
+        out = self.job.loss(self.model, batch, num_items_in_batch, per_sample=sources is not None)
+        if not isinstance(out, LossOutput):
+            raise TypeError(f"the loss of {self.job.name} returned {type(out).__name__}: a recipe's loss returns infra.job.LossOutput")
+        if sources is not None:
+            self.metrics.add_source_losses(sources, *out.per_sample)
+        self.metrics.add_recipe_metrics(out.metrics, samples_in(batch))
+        return out.loss
 
     def update(self, loss: torch.Tensor, loss_sum: torch.Tensor, items: torch.Tensor, grad_norm) -> StepResult:
         """The end of a step whose gradients are ready: the ranks' agreement, then the update unless some rank saw a
@@ -532,6 +477,7 @@ class Trainer:
         self.metrics.end_step(keep=not agreed.nonfinite)  # the sources' losses of a skipped step are dropped
         if steps:
             self.optimizer.step()
+        self.learning_rate = self.scheduler.get_last_lr()[0]  # the rate this step used (the scheduler now moves on)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         state.step += 1
@@ -547,13 +493,12 @@ class Trainer:
         waited = time.perf_counter() - waiting
         self.metrics.meter.waited(waited)
         self.stragglers.waited(waited)
-        mixture = isinstance(self.loader, MixtureLoader)
         ids = self.loader.last_sample_ids
         if self.trace:
-            self.trace.write(self.state.step + 1, ids, self.loader.dataset.source_of(ids) if mixture else None)
-        sources = None
-        if mixture and self.job.per_sample_losses:
-            sources = torch.from_numpy(self.loader.dataset.source_index(ids)).to(self.accelerator.device)
+            self.trace.write(self.state.step + 1, ids, self.loader.source_names(ids))
+        sources = self.loader.source_index(ids) if self.job.per_sample_losses else None
+        if sources is not None:
+            sources = torch.from_numpy(sources).to(self.accelerator.device)
         return batch, self.loader.batches_consumed, sources
 
     def count_items(self, batches: list[Batch]) -> torch.Tensor:
@@ -591,13 +536,12 @@ class Trainer:
 
     def log(self, result: StepResult) -> None:
         state = self.state
-        logged, mean_loss = self.metrics.collect(self.scheduler.get_last_lr()[0], state.tokens_seen, self.cursor.epoch, result.grad_norm)
+        logged, mean_loss = self.metrics.collect(self.learning_rate, state.tokens_seen, self.cursor.epoch, result.grad_norm)
         self.tracker.log(self.goodput.metrics(), step=state.step, again=True)  # a step done again after a fault cost more
         self.goodput.alive()
-        if isinstance(self.cursor, MixtureCursor):  # what each source gave so far: known from the position, no collective
-            for name, samples in self.cursor.taken().items():
-                logged[f"train/samples/{name}"] = samples
-                logged[f"train/{self.job.unit}_seen/{name}"] = samples * self.job.units_per_sample
+        for name, samples in self.cursor.taken().items():  # a mixture's sources so far: known from the position, no collective
+            logged[f"train/samples/{name}"] = samples
+            logged[f"train/{self.job.unit}_seen/{name}"] = samples * self.job.units_per_sample
         self.tracker.log(logged, step=state.step)
         self.latest |= logged
         unit = self.job.unit
@@ -630,10 +574,9 @@ class Trainer:
         held_out = self.job.data.held_out
         with torch.no_grad(), self.watchdog.relaxed(), self.goodput.stall("eval"):
             scores = self.job.evaluate(acc, self.model, self.eval_batches(held_out))
-            if isinstance(held_out, MixtureDataset):  # and each source's held-out samples alone: eval/loss/<name>, ...
-                for name, part in zip(held_out.names, held_out.parts, strict=True):
-                    if len(part) >= acc.num_processes:
-                        scores |= {f"{k}/{name}": v for k, v in self.job.evaluate(acc, self.model, self.eval_batches(part)).items()}
+            for name, part in named_parts(held_out):  # a mixture's sources' held-out samples alone: eval/loss/<name>, ...
+                if len(part) >= acc.num_processes:
+                    scores |= {f"{k}/{name}": v for k, v in self.job.evaluate(acc, self.model, self.eval_batches(part)).items()}
         self.model.train()
         self.latest.update(scores)  # kept until the next eval: keep_best may rank checkpoints by an eval/ metric
         self.tracker.log(scores, step=self.state.step)
@@ -655,6 +598,7 @@ class Trainer:
         # a copy of the metrics: a background save writes its manifest later, while the loop goes on updating them
         facts = {**state.state_dict(), "cursor": self.cursor.state_dict(), "metrics": dict(self.latest), "mlflow_run_id": self.run_id}
         facts["goodput"] = self.goodput.ledger()  # the time history of these weights (infra.goodput)
+        facts["companions"] = {name: c.source for name, c in self.job.companions.items()}  # not saved: rebuilt from these
         try:
             with self.watchdog.relaxed(), self.goodput.stall("checkpoint"):  # a long synchronous save is not a hang
                 self.checkpoints.save(state.step, {**facts, **self.facts}, background=args.async_save and not last)
@@ -662,7 +606,7 @@ class Trainer:
             if self.accelerator.is_main_process:
                 with contextlib.suppress(OSError):  # the disk may be too full even for the record
                     write_stop_record(self.own_dir, state.step, {"reason": "save_failed", "error": str(err)})
-            raise SystemExit(f"checkpoint error: {err}") from None
+            raise
         seconds = time.perf_counter() - start
         self.hooks.on_state("saved", state.step, self.model, self.optimizer)
         if (minutes := self.clock.saved(seconds)) is not None:
@@ -676,7 +620,7 @@ class Trainer:
         final = self.exporter.export(self.model, {"step": state.step, f"{unit}_seen": state.tokens_seen, **self.latest})
         self.accelerator.print(f"done: step {state.step}, {state.tokens_seen} {unit}; model exported to {final}")
 
-    def close(self, stop: dict | None) -> None:
+    def close(self, stop: dict | None) -> int:
         """The one exit: after a stop, its record for the batch script (requeue or not) and the MLflow run KILLED; else the
         model logged on request and the run FINISHED; goodput logged and printed last; then the process group destroyed. A
         straggler exits with 75."""
@@ -701,21 +645,18 @@ class Trainer:
         end_run("FINISHED" if stop is None else "KILLED")
         acc.print(summary(goodput))
         acc.end_training()
-        if stop is not None and stop["reason"] == "straggler":
-            raise SystemExit(STRAGGLER_EXIT_CODE)
+        return STRAGGLER_EXIT_CODE if stop is not None and stop["reason"] == "straggler" else 0
 
 
-def train(accelerator: Accelerator, args: TrainingArguments, data_args: DataArguments, config: dict, job: Job) -> None:
-    """Build the Trainer and run it; called on every rank by each recipe. Test hooks come from the environment
-    (infra.testing): none in a normal run."""
-    from infra.testing import hooks_from_env
-
+def train(accelerator: Accelerator, args: TrainingArguments, data_args: DataArguments, config: dict, job: Job) -> int:
+    """Build the Trainer and run it; called on every rank by each recipe, which returns the exit code it gives. Test
+    hooks come from the environment (infra.testing): none in a normal run."""
     trainer = Trainer
     if args.fault_tolerance == "replicas":
         from infra.replicas import launch_problem
         from infra.replicas.trainer import ReplicaTrainer
 
         if problem := launch_problem(args, accelerator.distributed_type.name):
-            raise SystemExit(f"launch error: {problem}")
+            raise LaunchError(problem)
         trainer = ReplicaTrainer
-    trainer(accelerator, args, data_args, config, job, hooks=hooks_from_env(accelerator.process_index)).run()
+    return trainer(accelerator, args, data_args, config, job, hooks=hooks_from_env(accelerator.process_index)).run()

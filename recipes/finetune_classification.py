@@ -22,11 +22,12 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from infra.config import parse_config, resolved
-from infra.data import DataArguments
+from infra.data import DataArguments, DataError
 from infra.data.tasks import minilm_dir
+from infra.job import LossOutput
 from infra.lora import LoraArguments, with_lora
 from infra.metrics import evaluate_classifier
-from infra.recipe import AttentionArguments, class_losses, exit_on, load_pretrained, open_data, run_recipe, start
+from infra.recipe import AttentionArguments, class_losses, load_pretrained, open_data, run_recipe, start
 from infra.trainer import Job, TrainingArguments, check_data_and_training, train
 
 
@@ -47,12 +48,12 @@ def forward(model, batch: dict[str, torch.Tensor], pad_id: int):
     return model(input_ids=batch["input_ids"], attention_mask=(batch["input_ids"] != pad_id).long(), labels=batch["labels"])
 
 
-def text_loss(model, batch: dict[str, torch.Tensor], num_items_in_batch: torch.Tensor, pad_id: int, per_sample: bool = False):
+def text_loss(model, batch: dict[str, torch.Tensor], num_items_in_batch: torch.Tensor, pad_id: int, per_sample: bool = False) -> LossOutput:
     """Cross-entropy summed over the texts, divided by num_items_in_batch (the Trainer's; the items are samples). With
     per_sample (a data_mixture's loss per source): also each text's loss and a count of one."""
     out = forward(model, batch, pad_id)
     loss = out.loss * len(batch["labels"]) / num_items_in_batch
-    return (loss, *class_losses(out.logits, batch["labels"])) if per_sample else loss
+    return LossOutput(loss, class_losses(out.logits, batch["labels"]) if per_sample else None)
 
 
 def text_eval(accelerator, model, batches, pad_id: int) -> dict[str, float]:
@@ -61,7 +62,7 @@ def text_eval(accelerator, model, batches, pad_id: int) -> dict[str, float]:
     return evaluate_classifier(accelerator, outputs, accelerator.unwrap_model(model).config.num_labels)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     model_args, data_args, args = parse_config(
         (ModelArguments, DataArguments, TrainingArguments), argv, check=lambda m, d, a: check_data_and_training(d, a)
     )
@@ -84,12 +85,11 @@ def main(argv: list[str] | None = None) -> None:
         **extra,
     )
     if model.config.vocab_size < data.dataset.index.vocab_size or model.config.pad_token_id != tokenizer.pad_token_id:
-        raise SystemExit(
-            f"data error: {data_args.data_dir} was tokenized with {data.dataset.index.tokenizer!r} (vocab {data.dataset.index.vocab_size}, "
+        raise DataError(
+            f"{data_args.data_dir} was tokenized with {data.dataset.index.tokenizer!r} (vocab {data.dataset.index.vocab_size}, "
             f"pad {tokenizer.pad_token_id}), which does not fit {source!r}: prepare it with that model's tokenizer"
         )
-    with exit_on(ValueError, "model error"):  # LoRA target modules the model does not have
-        model = with_lora(model, model_args, "SEQ_CLS")  # the new classification head trains whole
+    model = with_lora(model, model_args, "SEQ_CLS")  # the new classification head trains whole
 
     job = Job(
         name="finetune_classification",
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         per_sample_losses=True,
         adapter_only=model_args.use_peft and model_args.lora_export == "adapter",
     )
-    train(accelerator, args, data_args, config, job)
+    return train(accelerator, args, data_args, config, job)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,9 @@ from typing import Literal
 import torch
 from transformers import AutoConfig, AutoModelForImageClassification, ViTImageProcessor
 
-from infra.config import parse_config, require, resolved
-from infra.data import DataArguments
+from infra.config import ConfigError, parse_config, require, resolved
+from infra.data import DataArguments, DataError
+from infra.job import LossOutput
 from infra.metrics import evaluate_classifier
 from infra.recipe import AttentionArguments, class_losses, load_pretrained, open_data, run_recipe, start
 from infra.trainer import Job, TrainingArguments, check_data_and_training, train
@@ -60,9 +61,7 @@ def build_model(args: ModelArguments, image_size: int, num_channels: int, labels
         return model
     if args.architecture == "vit":
         if image_size % args.patch_size:
-            raise SystemExit(
-                f"config error: patch_size={args.patch_size} is not valid: expected a divisor of the data's image size {image_size}"
-            )
+            raise ConfigError(f"patch_size={args.patch_size} is not valid: expected a divisor of the data's image size {image_size}")
         config = AutoConfig.for_model(
             "vit",
             image_size=image_size,
@@ -83,7 +82,7 @@ def build_model(args: ModelArguments, image_size: int, num_channels: int, labels
 
 
 def check_fits_images(model, source: str, image_size: int, num_channels: int) -> None:
-    """A pretrained model takes the data's images, or the run stops here in one line, before the preflight.
+    """A pretrained model takes the data's images, or a DataError stops the run here, before the preflight.
 
     The channels are compared; the size is tried with one blank image, as many models (ConvNeXt,
     MobileNet, DINOv2, ResNet) take any size whatever their config's `image_size` says, and ViT does not.
@@ -91,9 +90,7 @@ def check_fits_images(model, source: str, image_size: int, num_channels: int) ->
     want = getattr(model.config, "num_channels", None)
     prepare = "prepare it with python -m infra.data.tasks --task image_classification"
     if want is not None and want != num_channels:
-        raise SystemExit(
-            f"data error: {source!r} takes num_channels={want} but the data holds {num_channels}: {prepare} --num_channels {want}"
-        )
+        raise DataError(f"{source!r} takes num_channels={want} but the data holds {num_channels}: {prepare} --num_channels {want}")
     params = list(model.parameters())
     if any(p.is_meta or hasattr(p, "ds_id") for p in params):  # not materialised on this rank (FSDP/ZeRO-3 loading): rank 0 tries
         return
@@ -104,8 +101,8 @@ def check_fits_images(model, source: str, image_size: int, num_channels: int) ->
             model(pixel_values=torch.zeros(1, num_channels, image_size, image_size, dtype=params[0].dtype))
     except Exception as err:
         size = getattr(model.config, "image_size", None)
-        raise SystemExit(
-            f"data error: {source!r} does not take the data's {image_size}x{image_size} images ({err}): "
+        raise DataError(
+            f"{source!r} does not take the data's {image_size}x{image_size} images ({err}): "
             + (f"{prepare} --image_size {size}" if isinstance(size, int) else "prepare it at the size the model was trained on")
         ) from None
     finally:
@@ -125,12 +122,12 @@ def pixels(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return ((batch["pixel_values"].float() / 255 - 0.5) / 0.5).to(dtype)
 
 
-def image_loss(model, batch: dict[str, torch.Tensor], num_items_in_batch: torch.Tensor, per_sample: bool = False):
+def image_loss(model, batch: dict[str, torch.Tensor], num_items_in_batch: torch.Tensor, per_sample: bool = False) -> LossOutput:
     """Cross-entropy summed over the images, divided by num_items_in_batch (the Trainer's; the items are samples). With
     per_sample (a data_mixture's loss per source): also each image's loss and a count of one."""
     out = model(pixel_values=pixels(model, batch), labels=batch["labels"])
     loss = out.loss * len(batch["labels"]) / num_items_in_batch
-    return (loss, *class_losses(out.logits, batch["labels"])) if per_sample else loss
+    return LossOutput(loss, class_losses(out.logits, batch["labels"]) if per_sample else None)
 
 
 def image_eval(accelerator, model, batches) -> dict[str, float]:
@@ -139,7 +136,7 @@ def image_eval(accelerator, model, batches) -> dict[str, float]:
     return evaluate_classifier(accelerator, outputs, accelerator.unwrap_model(model).config.num_labels)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     model_args, data_args, args = parse_config(
         (ModelArguments, DataArguments, TrainingArguments), argv, check=lambda m, d, a: check_data_and_training(d, a)
     )
@@ -161,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         unit="images",
         per_sample_losses=True,
     )
-    train(accelerator, args, data_args, config, job)
+    return train(accelerator, args, data_args, config, job)
 
 
 if __name__ == "__main__":

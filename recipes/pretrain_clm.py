@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from infra.config import parse_config, require, resolved
 from infra.data import DataArguments
+from infra.job import LossOutput
 from infra.recipe import (
     AttentionArguments,
     causal_lm_flops,
@@ -103,12 +104,14 @@ def lm_inputs(batch: torch.Tensor, eos_token_id: int | None = None) -> dict[str,
     return {"input_ids": batch, "labels": batch.masked_fill(starts, -100), "position_ids": position_ids, "use_cache": False}
 
 
-def lm_loss(model, batch: torch.Tensor, num_items_in_batch: torch.Tensor | None = None, eos_token_id: int | None = None, per_sample=False):
+def lm_loss(
+    model, batch: torch.Tensor, num_items_in_batch: torch.Tensor | None = None, eos_token_id: int | None = None, per_sample=False
+) -> LossOutput:
     """The token loss of the batch: summed and divided by num_items_in_batch (the Trainer's), or the mean when None.
     With per_sample (a data_mixture's loss per source): also each sample's summed token loss and token count."""
     inputs = lm_inputs(batch, eos_token_id)
     out = model(**inputs, num_items_in_batch=num_items_in_batch)
-    return (out.loss, *token_losses(out.logits, inputs["labels"])) if per_sample else out.loss
+    return LossOutput(out.loss, token_losses(out.logits, inputs["labels"]) if per_sample else None)
 
 
 def lm_tokens(batch: torch.Tensor, eos_token_id: int | None = None) -> torch.Tensor:
@@ -121,13 +124,13 @@ def lm_eval(accelerator, model, batches, eos_token_id: int | None = None) -> dic
     total = torch.zeros(2, device=accelerator.device)  # sum of token losses, tokens
     one = torch.ones((), device=accelerator.device)
     for batch in batches:
-        total += torch.stack([lm_loss(model, batch, one, eos_token_id).float(), lm_tokens(batch, eos_token_id).float()])
+        total += torch.stack([lm_loss(model, batch, one, eos_token_id).loss.float(), lm_tokens(batch, eos_token_id).float()])
     loss_sum, tokens = accelerator.reduce(total, "sum").tolist()
     loss = loss_sum / tokens
     return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     # Configuration and data: everything is checked before a process group, file or run exists
     model_args, data_args, args = parse_config(
         (ModelArguments, DataArguments, TrainingArguments), argv, check=lambda m, d, a: check_data_and_training(d, a)
@@ -154,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
         items=partial(lm_tokens, eos_token_id=eos),  # the loss is the mean per predicted token
         per_sample_losses=True,
     )
-    train(accelerator, args, data_args, config, job)
+    return train(accelerator, args, data_args, config, job)
 
 
 if __name__ == "__main__":

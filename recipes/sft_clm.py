@@ -24,11 +24,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from infra.config import parse_config, resolved
 from infra.data import DataArguments
+from infra.job import LossOutput
 from infra.lora import LoraArguments, with_lora
 from infra.recipe import (
     AttentionArguments,
     causal_lm_flops,
-    exit_on,
     load_pretrained,
     open_data,
     predicted_tokens,
@@ -60,12 +60,12 @@ def sft_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | bool]
     return inputs
 
 
-def sft_loss(model, batch: dict[str, torch.Tensor], num_items_in_batch: torch.Tensor | None = None, per_sample: bool = False):
+def sft_loss(model, batch: dict[str, torch.Tensor], num_items_in_batch: torch.Tensor | None = None, per_sample: bool = False) -> LossOutput:
     """Loss over the response tokens of the micro-batch (labels are -100 elsewhere; the model shifts them): summed and
     divided by num_items_in_batch (the Trainer's: every response token of the optimizer step counts the same), or
     the mean when None. With per_sample (a data_mixture's loss per source): also each sample's sum and token count."""
     out = model(**sft_inputs(batch), num_items_in_batch=num_items_in_batch)
-    return (out.loss, *token_losses(out.logits, batch["labels"])) if per_sample else out.loss
+    return LossOutput(out.loss, token_losses(out.logits, batch["labels"]) if per_sample else None)
 
 
 def response_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -77,13 +77,13 @@ def sft_eval(accelerator, model, batches) -> dict[str, float]:
     total = torch.zeros(2, device=accelerator.device)  # sum of token losses, response tokens
     for batch in batches:
         tokens = response_tokens(batch).float()
-        total += torch.stack([sft_loss(model, batch).float() * tokens, tokens])
+        total += torch.stack([sft_loss(model, batch).loss.float() * tokens, tokens])
     loss_sum, tokens = accelerator.reduce(total, "sum").tolist()
     loss = loss_sum / max(tokens, 1.0)
     return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     model_args, data_args, args = parse_config(
         (ModelArguments, DataArguments, TrainingArguments), argv, check=lambda m, d, a: check_data_and_training(d, a)
     )
@@ -96,8 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     model = load_pretrained(
         AutoModelForCausalLM.from_pretrained, model_args.model_name_or_path, hint, attn_implementation=model_args.attn_implementation
     )
-    with exit_on(ValueError, "model error"):  # LoRA target modules the model does not have
-        model = with_lora(model, model_args, "CAUSAL_LM")
+    model = with_lora(model, model_args, "CAUSAL_LM")
 
     job = Job(
         name="sft_clm",
@@ -114,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         adapter_only=model_args.use_peft and model_args.lora_export == "adapter",
         per_sample_losses=True,
     )
-    train(accelerator, args, data_args, config, job)
+    return train(accelerator, args, data_args, config, job)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import signal
 import socket
@@ -11,6 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+
+from infra.data.tasks import PLAIN_CHAT_TEMPLATE, TaskArguments, prepare_task, stdlib_instructions, stdlib_preferences
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -157,3 +162,57 @@ def s3(s3_server, monkeypatch, tmp_path):
     bucket = f"test-{tmp_path.name.lower().replace('_', '-')[-40:]}"
     fs.mkdir(bucket)
     return fs, bucket
+
+
+# Inputs of the recipes' launch tests (tests/test_recipes.py, tests/test_dpo.py): small and local
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="session")
+def sft_clm_inputs(tiny_data, tmp_path_factory) -> tuple[Path, list[str]]:
+    """Prompt/response pairs from the standard library as a JSONL file, and a tiny causal LM on tiny_data's tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("sft")
+    pairs = [{"prompt": p, "response": r} for p, r in itertools.islice(stdlib_instructions(), 160)]
+    source = write_jsonl(root / "pairs.jsonl", pairs)
+    data = root / "data"
+    prepare_task(TaskArguments(task="sft", source=str(source), tokenizer=str(tiny_data / "tokenizer"), output_dir=str(data), seq_len=96))
+    tokenizer = AutoTokenizer.from_pretrained(data / "tokenizer")
+    assert tokenizer.chat_template == PLAIN_CHAT_TEMPLATE  # the trained tokenizer had none: the plain one was saved with the data
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=96,
+        attention_dropout=0.1,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(root / "model")
+    return data, ["--model_name_or_path", str(root / "model"), "--eval_samples", "16"]
+
+
+def stdlib_triples(n: int) -> list[dict]:
+    """The first n preference triples of the default DPO data, as rows of a table."""
+    return [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in stdlib_preferences(limit=n)]
+
+
+@pytest.fixture(scope="session")
+def dpo_clm_inputs(sft_clm_inputs, tmp_path_factory) -> tuple[Path, list[str]]:
+    """Preference triples from the standard library as JSONL, prepared with the SFT data's tokenizer; SFT's tiny model."""
+    sft_data, args = sft_clm_inputs
+    root = tmp_path_factory.mktemp("dpo")
+    source = write_jsonl(root / "triples.jsonl", stdlib_triples(160))
+    data = root / "data"
+    prepare_task(TaskArguments(task="dpo", source=str(source), tokenizer=str(sft_data / "tokenizer"), output_dir=str(data), seq_len=96))
+    return data, args

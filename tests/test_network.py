@@ -303,8 +303,11 @@ def test_elastic_shrink_goes_on_without_a_lost_host_and_grows_back_when_it_retur
     assert f"world size 2 (MULTI_CPU), resumed at step {resumed}" in (tmp_path / "end_h0.log").read_text()
     # every step's samples are the uninterrupted run's, none twice, none left out
     assert samples_by_step(out) == samples_by_step(straight[0] / "out")
-    # the sums of the shrunk steps run in another order, and dropout draws on another rank's generator
-    assert final_loss(tmp_path) == pytest.approx(final_loss(straight[0]), rel=5e-3)  # 3.6e-4 measured
+    # the sums of the shrunk steps run in another order, and dropout draws on another rank's generator: at this learning
+    # rate the two trajectories part (final weights 11% and 17% apart, relative, in two histories whose shrunk phase
+    # ended one step apart, as the restart's timing decides), and the final loss with them (2e-4, then 1.0e-2 apart).
+    # Exactness is the samples above; this says that training went on from where it was (a fresh start is at 6.2).
+    assert final_loss(tmp_path) == pytest.approx(final_loss(straight[0]), rel=3e-2)
     print(f"shrink: host 1 killed -> resumed alone in {shrink_seconds:.0f}s")
 
 

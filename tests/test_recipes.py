@@ -14,21 +14,30 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from infra.data import PackedDataset
-from infra.data.tasks import IGNORE_INDEX, PLAIN_CHAT_TEMPLATE, TaskArguments, prepare_task, sft_fields, stdlib_instructions
+from infra.data import DataError, PackedDataset
+from infra.data.tasks import (
+    IGNORE_INDEX,
+    PLAIN_CHAT_TEMPLATE,
+    TaskArguments,
+    prepare_task,
+    sft_fields,
+    stdlib_instructions,
+)
 from infra.distributed import FSDP_ON_CPU_ENV
 from infra.metrics import classification_scores
-from tests.conftest import REPO, launch
+from tests.conftest import REPO, launch, write_jsonl
 
 STEPS = 6
 AUTO_CLASS = {  # each recipe, and how its export loads
     "pretrain_clm": "AutoModelForCausalLM",
     "sft_clm": "AutoModelForCausalLM",
+    "dpo_clm": "AutoModelForCausalLM",
     "finetune_classification": "AutoModelForSequenceClassification",
     "image_classification": "AutoModelForImageClassification",
 }
 # In the default run; the rest are slow. The classifier under FSDP2 meets both FSDP2 failures of accelerate (ready_for_fsdp).
-QUICK = {("pretrain_clm", "zero2.yaml"), ("finetune_classification", "fsdp.yaml")}
+# DPO under ZeRO-3: its reference model sharded like the policy (infra.companions).
+QUICK = {("pretrain_clm", "zero2.yaml"), ("finetune_classification", "fsdp.yaml"), ("dpo_clm", "zero3.yaml")}
 OFFLOAD_TOLERANCE = 1e-4  # measured: about 2e-5 after a few steps, DeepSpeedCPUAdam alone reproduces it
 
 
@@ -68,41 +77,6 @@ def test_classification_scores_match_scikit_learn(seed):
 
 
 # Inputs of the launch tests: small and local
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-@pytest.fixture(scope="session")
-def sft_clm_inputs(tiny_data, tmp_path_factory) -> tuple[Path, list[str]]:
-    """Prompt/response pairs from the standard library as a JSONL file, and a tiny causal LM on tiny_data's tokenizer."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    root = tmp_path_factory.mktemp("sft")
-    pairs = [{"prompt": p, "response": r} for p, r in itertools.islice(stdlib_instructions(), 160)]
-    source = write_jsonl(root / "pairs.jsonl", pairs)
-    data = root / "data"
-    prepare_task(TaskArguments(task="sft", source=str(source), tokenizer=str(tiny_data / "tokenizer"), output_dir=str(data), seq_len=96))
-    tokenizer = AutoTokenizer.from_pretrained(data / "tokenizer")
-    assert tokenizer.chat_template == PLAIN_CHAT_TEMPLATE  # the trained tokenizer had none: the plain one was saved with the data
-    config = AutoConfig.for_model(
-        "llama",
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        max_position_embeddings=96,
-        attention_dropout=0.1,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(root / "model")
-    return data, ["--model_name_or_path", str(root / "model"), "--eval_samples", "16"]
 
 
 @pytest.fixture(scope="session")
@@ -204,6 +178,9 @@ def straight_then_resumed(recipe: str, config: str, inputs, tmp_path: Path, extr
     assert resumed.returncode == 0 and f"resumed at step {STEPS}" in resumed.stdout
     engine = "(DEEPSPEED)" if config.startswith("zero") else "(FSDP)" if config == "fsdp.yaml" else "(MULTI_CPU)"
     assert engine in resumed.stdout
+    if recipe == "dpo_clm" and not {"--use_peft", "--precompute_ref_log_probs"} & set(extra):  # its reference, placed as the policy
+        (line,) = [line for line in resumed.stdout.splitlines() if line.startswith("companion reference: ")]
+        assert ("sharded" in line) == (config in ("zero3.yaml", "zero3_offload.yaml", "fsdp.yaml")), line
     assert_same_weights(a / "out", b / "out", tolerance=OFFLOAD_TOLERANCE if "offload" in config else 0.0)
     import transformers
 
@@ -248,6 +225,7 @@ def assert_export_equals_final(out: Path, step: int, exported: Path, auto_class:
     [
         ("pretrain_clm", "/no/such/path"),
         ("sft_clm", "empty"),
+        ("dpo_clm", "/no/such/path"),
         ("finetune_classification", "no such model"),
         ("image_classification", "empty"),
     ],
@@ -315,9 +293,9 @@ def test_document_attention_equals_the_documents_run_alone(kernel, tiny_data):
     docs = [torch.cat([words[a:b], torch.tensor([eos])]) for a, b in ((0, 9), (9, 29), (29, 60))]  # 10 + 21 + 32 tokens
     packed = torch.cat(docs)[None]
     with torch.no_grad():
-        alone = sum(lm_loss(model, d[None], one) for d in docs)
-        together = lm_loss(model, packed, one, eos_token_id=eos)
-        across = lm_loss(model, packed, one)  # plain causal attention over the same sample
+        alone = sum(lm_loss(model, d[None], one).loss for d in docs)
+        together = lm_loss(model, packed, one, eos_token_id=eos).loss
+        across = lm_loss(model, packed, one).loss  # plain causal attention over the same sample
     assert int(lm_tokens(packed, eos)) == sum(int(lm_tokens(d[None])) for d in docs) == 60
     assert torch.allclose(together, alone, rtol=1e-5)
     assert not torch.allclose(across, alone, rtol=1e-3)  # without it, later documents see the earlier ones
@@ -385,8 +363,8 @@ def test_a_packed_sample_has_the_loss_of_its_pairs_run_alone(sft_without_dropout
         assert len(spans) > 1
         batch = {k: v[None].long() for k, v in sample.items()}
         with torch.no_grad():
-            together = sft_loss(model, batch, one)
-            alone = sum(sft_loss(model, {k: batch[k][:, span] for k in ("input_ids", "labels")}, one) for span in spans)
+            together = sft_loss(model, batch, one).loss
+            alone = sum(sft_loss(model, {k: batch[k][:, span] for k in ("input_ids", "labels")}, one).loss for span in spans)
         assert torch.allclose(together, alone, rtol=1e-5), (i, together, alone)
 
 
@@ -541,8 +519,9 @@ def test_a_classifier_s_loss_per_sample_is_each_sample_s_alone(recipe, request):
     model.eval()
     batch = dataset.__getitems__([0, 1, 2, 3])
     with torch.no_grad():
-        total, sums, counts = loss(model, batch, torch.tensor(4.0), per_sample=True)
-        alone = [loss(model, {k: v[i : i + 1] for k, v in batch.items()}, torch.tensor(1.0)) for i in range(4)]
+        out = loss(model, batch, torch.tensor(4.0), per_sample=True)
+        total, (sums, counts) = out.loss, out.per_sample
+        alone = [loss(model, {k: v[i : i + 1] for k, v in batch.items()}, torch.tensor(1.0)).loss for i in range(4)]
     assert counts.tolist() == [1.0] * 4
     assert torch.allclose(sums, torch.stack(alone), rtol=1e-5)
     assert torch.allclose(sums.sum() / 4, total, rtol=1e-5)
@@ -604,9 +583,9 @@ def test_a_pretrained_image_model_must_take_the_data_s_images(tmp_path):
     )
     AutoModelForImageClassification.from_config(config).save_pretrained(tmp_path / "rgb16")
     args = ModelArguments(model_name_or_path=str(tmp_path / "rgb16"))
-    with pytest.raises(SystemExit, match=r"data error: .*rgb16' takes num_channels=3 but the data holds 1: prepare .*--num_channels 3"):
+    with pytest.raises(DataError, match=r".*rgb16' takes num_channels=3 but the data holds 1: prepare .*--num_channels 3"):
         build_model(args, image_size=8, num_channels=1, labels=["a", "b"])
-    with pytest.raises(SystemExit, match=r"does not take the data's 8x8 images \(.*\): prepare .*--image_size 16"):
+    with pytest.raises(DataError, match=r"does not take the data's 8x8 images \(.*\): prepare .*--image_size 16"):
         build_model(args, image_size=8, num_channels=3, labels=["a", "b"])
     assert build_model(args, image_size=16, num_channels=3, labels=["a", "b"]).config.num_labels == 2
     resnet = AutoConfig.for_model("resnet", num_channels=3, embedding_size=8, hidden_sizes=[8], depths=[1], image_size=224)

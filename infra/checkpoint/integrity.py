@@ -25,6 +25,7 @@ import xxhash
 from accelerate import Accelerator
 
 from infra.distributed import gathered
+from infra.errors import RunError
 from infra.files import drop_cached, fsync_dir, fsync_file
 
 MANIFEST = "manifest.json"
@@ -32,8 +33,10 @@ BLOCK = 1 << 20  # hashed a block at a time: what a loader taking the checksums 
 CHECKSUM_THREAD = "checkpoint-checksums"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(RunError, RuntimeError):
     """A checkpoint cannot be written, or one that was asked for cannot be used."""
+
+    kind = "checkpoint"
 
 
 class _Crc32:

@@ -1,7 +1,8 @@
 """Data: prepare raw text into shards, read them back in a resumable global order."""
 
+from infra.data.arguments import DataArguments
 from infra.data.errors import DataError
-from infra.data.loader import DataArguments, DataCursor, ResumableLoader, SampleTrace, eval_batches
+from infra.data.loader import DataCursor, ResumableLoader, SampleTrace, eval_batches
 from infra.data.shards import DataIndex, PackedDataset, SampleRange, check_fits_model
 
 __all__ = [

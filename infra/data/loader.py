@@ -14,58 +14,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from infra.config import ConfigError, require
 from infra.data.errors import DataError
-
-
-@dataclass
-class DataArguments:
-    """Data flags of the recipes that train on prepared shards."""
-
-    data_dir: str = field(default="data/stdlib", metadata={"help": "Prepared shards (each recipe's YAML names its own)."})
-    eval_samples: int = field(
-        default=0, metadata={"help": "Hold out the last N samples of data_dir for eval (every eval_steps and at the end); 0: no eval."}
-    )
-    num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes per rank."})
-    shuffle_window: int = field(
-        default=1 << 18, metadata={"help": "Samples shuffled together after the shards are shuffled (see infra.data.loader.EpochOrder)."}
-    )
-    verify_data_checksums: bool = field(
-        default=False, metadata={"help": "sha256 every shard before training (in the preflight, on rank 0; make doctor always does)."}
-    )
-    trace_samples: bool = field(
-        default=False,
-        metadata={"help": "Log each step's global sample ids (with a mixture, their sources too) to OUTPUT_DIR/trace/rank{r}.jsonl."},
-    )
-    data_mixture: list[str] | None = field(
-        default=None,
-        metadata={
-            "help": "Several prepared datasets at set proportions, instead of data_dir: items name=...,data_dir=...,weight=... "
-            "(or samples=... or epochs=... per global epoch; in YAML a list of {name, data_dir, weight}); see infra.data.mixture."
-        },
-    )
-    new_mixture_segment: bool = field(
-        default=False,
-        metadata={"help": "On a resume with another data_mixture: go on from the checkpoint's position with the new one (else refused)."},
-    )
-
-    def __post_init__(self):
-        if self.data_mixture:
-            from infra.data.mixture import parse_sources
-
-            try:
-                parse_sources(self.data_mixture)
-            except ValueError as err:
-                raise ConfigError(str(err)) from None
-        require(self.num_workers >= 0, "num_workers", self.num_workers, "an integer >= 0")
-        require(self.eval_samples >= 0, "eval_samples", self.eval_samples, "an integer >= 0")
-        require(self.shuffle_window >= 1, "shuffle_window", self.shuffle_window, "an integer >= 1")
 
 
 class DataCursor:
@@ -84,6 +38,12 @@ class DataCursor:
 
     def __repr__(self) -> str:
         return f"DataCursor(epoch={self.epoch}, samples_consumed={self.samples_consumed})"
+
+    # What a mixture's cursor tells of its sources (infra.data.mixture.MixtureCursor): one source has none of its own.
+    segments: tuple = ()
+
+    def taken(self) -> dict[str, int]:
+        return {}
 
 
 class EpochOrder:
@@ -208,6 +168,13 @@ class ResumableLoader:
     def batches_consumed(self) -> int:
         """Global batches handed out since the first epoch began: a position in the data, whatever the restarts."""
         return self.cursor.epoch * self.batches_per_epoch + self.cursor.samples_consumed // self.global_batch_size
+
+    def source_index(self, ids) -> None:
+        """The source of each sample id: a mixture's loader tells (MixtureLoader), one dataset has none."""
+        return None
+
+    def source_names(self, ids) -> None:
+        return None
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         while True:

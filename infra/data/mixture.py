@@ -127,6 +127,15 @@ def source_seed(seed: int, name: str) -> list[int]:
     return [seed, zlib.crc32(name.encode())]
 
 
+@dataclass
+class Mixture:
+    """The sources of a data_mixture as opened: their training samples and shard sizes, in order."""
+
+    sources: list[Source]
+    sizes: list[int]
+    shard_sizes: list[list[int]]
+
+
 class MixtureCursor:
     """Where the run is in the mixture: its position, and the segment it is in (weights, start, each source's count at
     the start). Saved in every checkpoint's manifest."""
@@ -304,6 +313,13 @@ class MixtureLoader:
     @property
     def batches_consumed(self) -> int:
         return self.cursor.position // self.global_batch_size
+
+    def source_index(self, ids) -> np.ndarray:
+        """The source (its number) of each sample id."""
+        return self.dataset.source_index(ids)
+
+    def source_names(self, ids) -> list[str]:
+        return self.dataset.source_of(ids)
 
     def __iter__(self):
         order = MixtureOrder(self.dataset, self.cursor, self.shard_sizes, self.seed, self.shuffle_window)

@@ -4,17 +4,20 @@
     python -m infra.data.tasks --task text_classification --output_dir data/cls_stdlib    # MiniLM's tokenizer
     python -m infra.data.tasks --task image_classification --output_dir data/digits
     python -m infra.data.tasks --task sft --source chats.jsonl --tokenizer my/model --output_dir data/mine
+    python -m infra.data.tasks --task dpo --output_dir data/dpo_stdlib --tokenizer data/stdlib/tokenizer
 
 Offline defaults, built from real local sources:
 
 - sft, source `stdlib`: docstring -> function pairs extracted with `ast` from the Python standard
   library ("Write the function `name(args)`: <docstring>" -> the function's source).
+- dpo, source `stdlib`: the same prompts, the real function as the chosen answer and another function of
+  the library (the one half the list away) as the rejected one.
 - text_classification, source `stdlib`: the docstrings of the standard library's packages with the
   most documented functions, labelled by package (which part of the library is this from?).
 - image_classification, source `digits`: scikit-learn's bundled 8x8 handwritten digits.
 
 Other sources: local json/jsonl/parquet/csv files or a hub dataset (`--prompt_column`,
-`--response_column`, `--text_column`, `--label_column`), and for images a folder with one
+`--response_column`, `--chosen_column`, `--rejected_column`, `--text_column`, `--label_column`), and for images a folder with one
 subfolder per label, or a hub dataset with `--image_column`.
 
 Fields written (see infra.data.shards):
@@ -22,6 +25,9 @@ Fields written (see infra.data.shards):
 - sft: `input_ids` and `labels` (int32, -100 outside the response: the loss sees only the
   response). The prompt goes through the tokenizer's chat template; a tokenizer without one gets
   a plain template, saved with it.
+- dpo: the chosen answer as an sft sample (`input_ids`, `labels`) and the rejected one beside it
+  (`rejected_input_ids`, `rejected_labels`). Prompt and answer are split as TRL's DPOTrainer splits them: the
+  chat with the answer is tokenized whole, the answer starts where it leaves the prompt's own tokens.
 - text_classification: `input_ids` (padded with the pad token) and `labels`.
 - image_classification: `pixel_values` (uint8, channels x size x size) and `labels`.
 
@@ -32,6 +38,7 @@ random sample of them. Output goes to OUTPUT_DIR.partial/ and is renamed when co
 from __future__ import annotations
 
 import ast
+import itertools
 import shutil
 import sys
 from collections.abc import Iterator
@@ -48,7 +55,12 @@ from infra.data.shards import TOKENIZER_DIR, DataIndex, token_dtype, write_shard
 from infra.data.sources import STDLIB, iter_rows, stdlib_functions
 
 DIGITS = "digits"
-DEFAULT_OUTPUT = {"sft": "data/sft_stdlib", "text_classification": "data/cls_stdlib", "image_classification": "data/digits"}
+DEFAULT_OUTPUT = {
+    "sft": "data/sft_stdlib",
+    "dpo": "data/dpo_stdlib",
+    "text_classification": "data/cls_stdlib",
+    "image_classification": "data/digits",
+}
 IGNORE_INDEX = -100  # labels the loss skips (transformers' convention)
 # For tokenizers without one: roles in plain text, the end of the assistant's turn marked by EOS.
 PLAIN_CHAT_TEMPLATE = (
@@ -67,7 +79,7 @@ def minilm_dir() -> str:
 
 @dataclass
 class TaskArguments:
-    task: Literal["sft", "text_classification", "image_classification"] = field(
+    task: Literal["sft", "dpo", "text_classification", "image_classification"] = field(
         default="sft", metadata={"help": "What the samples are for."}
     )
     output_dir: str | None = field(
@@ -75,14 +87,18 @@ class TaskArguments:
     )
     source: str | None = field(
         default=None,
-        metadata={"help": "stdlib (sft, text_classification), digits (images), local files, an image folder or a hub id; None: default."},
+        metadata={
+            "help": "stdlib (sft, dpo, text_classification), digits (images), local files, an image folder or a hub id; None: default."
+        },
     )
     tokenizer: str | None = field(
-        default=None, metadata={"help": "Tokenizer path or hub id (sft: data/stdlib/tokenizer; text_classification: MiniLM's)."}
+        default=None, metadata={"help": "Tokenizer path or hub id (sft, dpo: data/stdlib/tokenizer; text_classification: MiniLM's)."}
     )
     split: str = field(default="train", metadata={"help": "Split of a hub dataset."})
     prompt_column: str = field(default="prompt", metadata={"help": "sft: column of the prompt."})
     response_column: str = field(default="response", metadata={"help": "sft: column of the response."})
+    chosen_column: str = field(default="chosen", metadata={"help": "dpo: column of the preferred answer."})
+    rejected_column: str = field(default="rejected", metadata={"help": "dpo: column of the answer not preferred."})
     text_column: str = field(default="text", metadata={"help": "text_classification: column of the text."})
     image_column: str = field(default="image", metadata={"help": "image_classification: column of the image."})
     label_column: str = field(default="label", metadata={"help": "Classification: column of the label (names or integers)."})
@@ -118,6 +134,14 @@ def stdlib_instructions() -> Iterator[tuple[str, str]]:
     for module, node, source in stdlib_functions():
         signature = f"{node.name}({ast.unparse(node.args)})"
         yield f"Write the function `{signature}` of the module `{module}`:\n{ast.get_docstring(node)}", source
+
+
+def stdlib_preferences(limit: int | None = None) -> list[tuple[str, str, str]]:
+    """(prompt, chosen, rejected): each instruction, its function, and the function half the list away (another module's,
+    mostly: the pairs are easy to tell apart, as a first preference dataset should be); of the first `limit` if given."""
+    pairs = list(itertools.islice(stdlib_instructions(), limit))
+    half = len(pairs) // 2
+    return [(prompt, chosen, pairs[(i + half) % len(pairs)][1]) for i, (prompt, chosen) in enumerate(pairs)]
 
 
 def stdlib_docstrings(num_classes: int) -> tuple[list[tuple[str, int]], list[str]]:
@@ -167,7 +191,7 @@ def _checked_rows(stream, args: TaskArguments, columns: tuple[str, ...]) -> Iter
 
 
 def _flag_for(args: TaskArguments, column: str) -> str:
-    names = ("prompt_column", "response_column", "text_column", "image_column", "label_column")
+    names = ("prompt_column", "response_column", "chosen_column", "rejected_column", "text_column", "image_column", "label_column")
     return next((n for n in names if getattr(args, n) == column), "label_column")
 
 
@@ -200,6 +224,41 @@ def sft_pair(tokenizer, prompt: str, response: str, seq_len: int) -> tuple[list[
         return None
     ids = (prompt_ids + response_ids)[:seq_len]
     return ids, [IGNORE_INDEX] * len(prompt_ids) + ids[len(prompt_ids) :]
+
+
+def dpo_fields(tokenizer, prompt: str, chosen: str, rejected: str, seq_len: int) -> dict[str, np.ndarray] | None:
+    """The chosen and the rejected chat as two sft samples padded to seq_len (labels -100 on the prompt and the padding),
+    split as TRL's DPOTrainer splits them: the prompt is the longest start both chats share with the prompt alone; None
+    if the prompt fills seq_len or an answer is empty."""
+    for name, answer in (("chosen", chosen), ("rejected", rejected)):
+        if not (isinstance(answer, str) and answer):
+            raise ValueError(
+                f"{name}={answer!r} for the prompt {prompt[:60]!r}: every preference needs a non-empty chosen and rejected answer"
+            )
+
+    def ids(messages, **kwargs) -> list[int]:
+        return tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, **kwargs), add_special_tokens=False)["input_ids"]
+
+    asked = [{"role": "user", "content": prompt}]
+    prompt_ids = ids(asked, add_generation_prompt=True)
+    chats = [ids([*asked, {"role": "assistant", "content": answer}]) for answer in (chosen, rejected)]
+    start = min(common_prefix(prompt_ids, chat) for chat in chats)
+    if start >= seq_len or any(len(chat) <= start for chat in chats):
+        return None
+    out = {}
+    for name, chat in zip(("", "rejected_"), chats, strict=True):
+        chat = chat[:seq_len]
+        pad = seq_len - len(chat)
+        out[f"{name}input_ids"] = np.asarray(chat + [tokenizer.pad_token_id] * pad)
+        out[f"{name}labels"] = np.asarray([IGNORE_INDEX] * start + chat[start:] + [IGNORE_INDEX] * pad, dtype=np.int32)
+    return out
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def best_fit(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -254,14 +313,14 @@ def image_array(image, size: int, channels: int) -> np.ndarray:
 
 def task_tokenizer(args: TaskArguments):
     """The task's tokenizer (made ready to pad, and for SFT to apply a chat template) and what it was loaded from."""
-    default = {"sft": "data/stdlib/tokenizer", "text_classification": minilm_dir()}[args.task]
+    default = minilm_dir() if args.task == "text_classification" else "data/stdlib/tokenizer"
     name = args.tokenizer or default
     if args.tokenizer is None and not Path(name).exists():
         raise ValueError(f"tokenizer={name!r} does not exist: run make data first, or pass --tokenizer")
     tokenizer = load_tokenizer(name, need_eos=False)
     if tokenizer.pad_token is None:  # right padding; the loss and attention masks skip it
         tokenizer.pad_token = tokenizer.eos_token
-    if args.task == "sft" and not tokenizer.chat_template:
+    if args.task in ("sft", "dpo") and not tokenizer.chat_template:
         tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
     return tokenizer, name
 
@@ -278,6 +337,11 @@ def task_examples(args: TaskArguments) -> tuple[list[tuple], list[str]]:
             return list(stdlib_instructions()), []
         columns = (args.prompt_column, args.response_column)
         return [(row[columns[0]], row[columns[1]]) for row in _checked_rows(iter_rows(source, args.split), args, columns)], []
+    if args.task == "dpo":
+        if source == STDLIB:
+            return stdlib_preferences(), []
+        columns = (args.prompt_column, args.chosen_column, args.rejected_column)
+        return [tuple(row[c] for c in columns) for row in _checked_rows(iter_rows(source, args.split), args, columns)], []
     if args.task == "text_classification":
         return stdlib_docstrings(args.num_classes) if source == STDLIB else labelled_rows(args, args.text_column)
     return digits() if source == DIGITS else labelled_rows(args, args.image_column)
@@ -302,6 +366,8 @@ def example_fields(args: TaskArguments, tokenizer, example) -> dict[str, np.ndar
     """One example's fields as stored (padded to seq_len); None when it has nothing to learn from."""
     if args.task == "sft":
         return sft_fields(tokenizer, *example, args.seq_len)
+    if args.task == "dpo":
+        return dpo_fields(tokenizer, *example, args.seq_len)
     value, label = example
     if args.task == "image_classification":
         return {"pixel_values": image_array(value, args.image_size, args.num_channels), "labels": np.asarray(label)}
@@ -351,7 +417,11 @@ def prepare_task(args: TaskArguments) -> DataIndex:
     vocab = len(tokenizer) if tokenizer is not None else 0
     image = args.task == "image_classification"
     primary = "pixel_values" if image else "input_ids"
-    layout = {"labels": {"dtype": "int32", "shape": [args.seq_len]} if args.task == "sft" else {"dtype": "int16", "shape": []}}
+    chats = args.task in ("sft", "dpo")
+    layout = {"labels": {"dtype": "int32", "shape": [args.seq_len]} if chats else {"dtype": "int16", "shape": []}}
+    if args.task == "dpo":
+        layout["rejected_input_ids"] = {"dtype": token_dtype(vocab).name, "shape": [args.seq_len]}
+        layout["rejected_labels"] = {"dtype": "int32", "shape": [args.seq_len]}
     packing = args.task == "sft" and args.packing
     if packing:
         layout["position_ids"] = {"dtype": "int32", "shape": [args.seq_len]}
@@ -363,13 +433,15 @@ def prepare_task(args: TaskArguments) -> DataIndex:
             (example_fields(args, tokenizer, examples[i]) for i in tqdm(order, desc=f"preparing {args.task}", unit=" examples")),
             0,
         )
-    shards, dropped = write_rows(work, rows, dtypes, primary, args.samples_per_shard)
+    try:
+        shards, dropped = write_rows(work, rows, dtypes, primary, args.samples_per_shard)
+    except BaseException:  # a bad row, an interrupt: nothing half-written is left
+        shutil.rmtree(work, ignore_errors=True)
+        raise
     skipped += dropped
     if not shards:
         shutil.rmtree(work)
-        raise ConfigError(
-            f"source={source_of(args)!r} gave no example" + (f" whose prompt fits seq_len={args.seq_len}" if args.task == "sft" else "")
-        )
+        raise ConfigError(f"source={source_of(args)!r} gave no example" + (f" whose prompt fits seq_len={args.seq_len}" if chats else ""))
     index = DataIndex(
         seq_len=0 if image else args.seq_len,
         dtype="uint8" if image else token_dtype(vocab).name,
@@ -383,7 +455,7 @@ def prepare_task(args: TaskArguments) -> DataIndex:
         labels=class_names,
     )
     index.publish(work, out)
-    note = f" ({skipped} skipped: the prompt alone filled seq_len, or the response was empty)" if skipped else ""
+    note = f" ({skipped} skipped: the prompt alone filled seq_len, or an answer was empty)" if skipped else ""
     classes = f", {len(class_names)} classes" if class_names else ""
     print(f"wrote {index.num_samples} {args.task} samples in {len(shards)} shards{classes} to {out}{note}")
     return index
@@ -394,7 +466,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         prepare_task(args)
     except (ConfigError, ValueError) as err:
-        print(f"prepare error: {err}", file=sys.stderr)
+        tqdm.write(f"prepare error: {err}", file=sys.stderr)  # on a line of its own, past an interrupted progress bar
         raise SystemExit(2) from None
 
 

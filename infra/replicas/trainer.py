@@ -182,6 +182,7 @@ class ReplicaTrainer(Trainer):
         self.costs["ft/commit_seconds"] = time.perf_counter() - committing
         if not committed:
             self.optimizer.zero_grad(set_to_none=True)
+            self.metrics.end_step(keep=False)  # the recipe's metrics of an attempt that did not commit
             return None
         result = self.update(loss_sum / num_items_in_batch, loss_sum, items, grad_norm)
         self.global_batches.advance(self.cursor)
@@ -202,7 +203,7 @@ class ReplicaTrainer(Trainer):
             last = i == len(batches) - 1
             with self.model.no_sync() if acc.num_processes > 1 and not last else contextlib.nullcontext():
                 with self.stragglers.compute():
-                    loss = self.job.loss(self.model, batch, num_items_in_batch)
+                    loss = self.micro_loss(batch, num_items_in_batch)
                     loss = self.hooks.on_loss(loss, self.state.step * len(batches) + i + 1)
                 acc.backward(loss)
             step_loss += loss.detach()
@@ -254,6 +255,6 @@ class ReplicaTrainer(Trainer):
         else:
             self.accelerator.print(f"done: step {self.state.step}; the replica group of rank 0 exports the model")
 
-    def close(self, stop: dict | None) -> None:
+    def close(self, stop: dict | None) -> int:
         self.group.shutdown()
-        super().close(stop)
+        return super().close(stop)

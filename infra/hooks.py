@@ -1,0 +1,26 @@
+"""Points where a test acts on the training loop (infra.testing.Faults implements them); a normal run's do nothing.
+Their own module: infra.testing builds them and infra.trainer calls them, with no import cycle between the two."""
+
+from __future__ import annotations
+
+import torch
+
+
+class Hooks:
+    """Points where a test acts on the loop (infra.testing.Faults); these do nothing."""
+
+    def on_loss(self, loss: torch.Tensor, batch: int) -> torch.Tensor:
+        """The loss of the `batch`-th micro-batch since the run began, inside the timed forward pass."""
+        return loss
+
+    def on_step_end(self, step: int) -> None:
+        """After optimizer step `step`, before the watchdog hears of it."""
+
+    def before_commit(self, step: int) -> None:
+        """Between a synchronous save_state and its commit."""
+
+    def before_optimizer_step(self, step: int, model: torch.nn.Module, grad_norm) -> None:
+        """After the backward passes and clipping of `step`, before the optimizer steps (DeepSpeed has stepped already)."""
+
+    def on_state(self, event: str, step: int, model: torch.nn.Module, optimizer) -> None:
+        """On every rank, once the state of `step` is saved ("saved") or loaded ("resumed")."""
