@@ -22,6 +22,7 @@ from accelerate.utils import DistributedType
 
 from infra.distributed import ready_for_fsdp
 from infra.job import Companion
+from infra.memory import parameter_count
 
 
 def frozen(model: torch.nn.Module) -> torch.nn.Module:
@@ -37,7 +38,7 @@ def prepare_companions(accelerator: Accelerator, companions: dict[str, Companion
     shard collectively)."""
     lines = []
     for name, companion in companions.items():
-        total = parameters(companion.model)
+        total = parameter_count(companion.model)
         companion.model = prepare_one(accelerator, frozen(companion.model))
         here = held(companion.model)
         how = f"sharded: {here:,} on this rank" if here < total else "whole on each rank"
@@ -90,11 +91,6 @@ def deepspeed_inference(accelerator: Accelerator, model: torch.nn.Module) -> tor
     return frozen(engine)
 
 
-def parameters(model: torch.nn.Module) -> int:
-    """A model's parameters, whole: transformers loads a model already partitioned under ZeRO-3 (zero.Init)."""
-    return sum(getattr(p, "ds_numel", None) or p.numel() for p in model.parameters())
-
-
 def companion_parameters(companions: dict[str, Companion]) -> int:
     """Parameters of the companions (whole): for the memory estimate."""
-    return sum(parameters(c.model) for c in companions.values())
+    return sum(parameter_count(c.model) for c in companions.values())

@@ -30,6 +30,12 @@ GIB = 1 << 30
 RUNTIME = {"cuda": 1.0 * GIB, "cpu": 0.1 * GIB}
 
 
+def parameter_count(model: torch.nn.Module, trainable: bool = False) -> int:
+    """A model's parameters, whole (only those that train, if asked). Under ZeRO-3 transformers loads a model already
+    partitioned: each parameter is then an empty placeholder, and its size is `ds_numel`."""
+    return sum(getattr(p, "ds_numel", None) or p.numel() for p in model.parameters() if p.requires_grad or not trainable)
+
+
 @dataclass(frozen=True)
 class Shape:
     """What the estimate needs of the model and of one micro-batch."""
@@ -51,8 +57,8 @@ class Shape:
         """From a transformers model (built, or on the meta device: nothing is allocated)."""
         c = model.config
         return cls(
-            parameters=sum(p.numel() for p in model.parameters()),
-            trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
+            parameters=parameter_count(model),
+            trainable=parameter_count(model, trainable=True),
             layers=c.num_hidden_layers,
             hidden=c.hidden_size,
             intermediate=getattr(c, "intermediate_size", 4 * c.hidden_size),

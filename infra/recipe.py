@@ -36,6 +36,7 @@ from infra.distributed import build_accelerator
 from infra.errors import ModelError, RunError, raised_as
 from infra.files import sha256_file
 from infra.levers import dynamo_plugin
+from infra.memory import parameter_count
 from infra.metrics import flops_per_token
 from infra.tracking import run_status
 
@@ -118,7 +119,7 @@ def causal_lm_flops(model: torch.nn.Module, dataset: PackedDataset, eos_token_id
     token, counted before ZeRO-3 partitions the parameters."""
     check_fits_model(dataset.index, eos_token_id, model.config)
     c = model.config
-    return flops_per_token(sum(p.numel() for p in model.parameters()), c.num_hidden_layers, c.hidden_size, dataset.seq_len)
+    return flops_per_token(parameter_count(model), c.num_hidden_layers, c.hidden_size, dataset.seq_len)
 
 
 ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2")

@@ -108,3 +108,19 @@ def test_the_larger_presets_take_a_step_on_a_cpu(name, tiny_data, tmp_path):
     if psutil.virtual_memory().available < 1.2 * need:
         pytest.skip(f"{name} needs ~{need / GIB:.0f} GiB of memory for a step on a CPU")
     preset_step(name, tiny_data, tmp_path)
+
+
+def test_a_model_loaded_partitioned_by_zero3_counts_whole():
+    """Under ZeRO-3 transformers loads each parameter as an empty placeholder with its size in `ds_numel`: the estimate
+    (and the FLOPs per token) count the whole model, not the placeholders (it counted 0 parameters before)."""
+    import torch
+
+    from infra.memory import parameter_count
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model[1].requires_grad_(False)
+    assert parameter_count(model) == 15 + 8 and parameter_count(model, trainable=True) == 15
+    for p in model.parameters():
+        p.ds_numel = p.numel()
+        p.data = torch.empty(0)
+    assert parameter_count(model) == 23 and parameter_count(model, trainable=True) == 15
