@@ -67,6 +67,7 @@ class TrainMetrics:
         # the step under way; the names as the loss gives them (the same code on every rank gives the same names)
         self.recipe: dict[str, torch.Tensor] = {}
         self.step_recipe: dict[str, torch.Tensor] = {}
+        self.recipe_samples = self.step_recipe_samples = 0  # kept on the host: no device copy per micro-batch
 
     def count_step(self, units: int) -> None:
         """An optimizer step's units (tokens, samples) for the throughput."""
@@ -88,23 +89,29 @@ class TrainMetrics:
 
     def add_recipe_metrics(self, metrics: dict[str, torch.Tensor], samples: int) -> None:
         """A micro-batch's recipe metrics (each summed over its `samples`), added to the step's (kept if the step is)."""
+        if metrics:
+            self.step_recipe_samples += samples
         for name, value in metrics.items():
-            total = self.step_recipe.setdefault(name, torch.zeros(2, device=self.accelerator.device))
-            total += torch.stack([value.detach().float().reshape(()), torch.tensor(float(samples), device=total.device)])
+            total = self.step_recipe.get(name)
+            value = value.detach().float().reshape(1)
+            self.step_recipe[name] = value if total is None else total + value
 
     def end_step(self, keep: bool) -> None:
         if keep:
             self.by_source += self.step_by_source
             for name, total in self.step_recipe.items():
                 self.recipe[name] = self.recipe.get(name, 0) + total
+            self.recipe_samples += self.step_recipe_samples
         self.step_by_source.zero_()
         self.step_recipe.clear()
+        self.step_recipe_samples = 0
 
     def reset_loss(self) -> None:
         self.loss_sum.zero_()
         self.loss_count = 0
         self.by_source.zero_()
         self.recipe.clear()
+        self.recipe_samples = 0
 
     def collect(self, learning_rate: float, units_seen: int, epoch: int, grad_norm) -> tuple[dict[str, float], float]:
         """The metrics of the window since the last call, and its mean loss per item over every rank (one reduce of the
@@ -114,16 +121,18 @@ class TrainMetrics:
         # one reduce of the loss, of every source's loss sums and items, and of the recipe's metrics and their samples
         names = sorted(self.recipe)
         recipe = [self.recipe[name] for name in names]
-        parts = [self.loss_sum.reshape(1).float(), self.by_source.flatten(), *recipe]
+        samples = [torch.tensor([float(self.recipe_samples)], device=acc.device)] if names else []
+        parts = [self.loss_sum.reshape(1).float(), self.by_source.flatten(), *recipe, *samples]
         reduced = acc.reduce(torch.cat(parts), "sum").tolist()
         mean_loss = reduced[0] / count if count else math.nan
         k = len(self.sources)
         sums, items = reduced[1 : 1 + k], reduced[1 + k : 1 + 2 * k]
-        pairs = reduced[1 + 2 * k :]
+        metric_sums = reduced[1 + 2 * k : 1 + 2 * k + len(names)]
+        metric_samples = reduced[-1] if names else 0.0
         logged: dict[str, Any] = {
             **({"train/loss": mean_loss} if count else {}),
             **{f"train/loss/{name}": s / n for name, s, n in zip(self.sources, sums, items, strict=True) if n},
-            **{f"train/{name}": pairs[2 * i] / pairs[2 * i + 1] for i, name in enumerate(names) if pairs[2 * i + 1]},
+            **{f"train/{name}": v / metric_samples for name, v in zip(names, metric_sums, strict=True) if metric_samples},
             "train/learning_rate": learning_rate,
             f"train/{self.unit}_seen": units_seen,
             "train/epoch": epoch,

@@ -200,6 +200,28 @@ def test_train_metrics_average_the_finite_steps_of_each_window():
     assert math.isnan(mean) and "train/loss" not in logged and "train/grad_norm" not in logged  # every step skipped
 
 
+def test_a_recipe_s_metrics_are_their_mean_per_sample_over_the_steps_taken():
+    """LossOutput.metrics: sums over each micro-batch's samples, logged as their mean per sample over the window; a
+    skipped step's are dropped, and the next window starts empty."""
+    import torch
+    from accelerate import Accelerator
+
+    from infra.metrics import TrainMetrics
+
+    metrics = TrainMetrics(Accelerator(cpu=True), "tokens", flops_per_unit=None)
+    metrics.add_recipe_metrics({"rewards/margins": torch.tensor(3.0), "rewards/accuracies": torch.tensor(2.0)}, samples=4)
+    metrics.add_recipe_metrics({"rewards/margins": torch.tensor(1.0), "rewards/accuracies": torch.tensor(0.0)}, samples=4)
+    metrics.end_step(keep=True)  # a step of two micro-batches: 8 pairs
+    metrics.add_recipe_metrics({"rewards/margins": torch.tensor(100.0), "rewards/accuracies": torch.tensor(4.0)}, samples=4)
+    metrics.end_step(keep=False)  # skipped: not counted
+    metrics.add_recipe_metrics({"rewards/margins": torch.tensor(-2.0), "rewards/accuracies": torch.tensor(1.0)}, samples=2)
+    metrics.end_step(keep=True)
+    logged, _ = metrics.collect(learning_rate=0.0, units_seen=0, epoch=0, grad_norm=None)
+    assert logged["train/rewards/margins"] == 2.0 / 10 and logged["train/rewards/accuracies"] == 3.0 / 10
+    logged, _ = metrics.collect(learning_rate=0.0, units_seen=0, epoch=0, grad_norm=None)
+    assert "train/rewards/margins" not in logged
+
+
 def test_points_a_dead_store_never_took_end_in_the_fallback_file(tmp_path, monkeypatch, capsys):
     import json
 
