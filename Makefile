@@ -16,7 +16,7 @@ EXPERIMENT ?= $(RECIPE)
 MLFLOW_DB := sqlite:///$(CURDIR)/mlflow.db
 
 .DEFAULT_GOAL := help
-.PHONY: help setup data train replicas doctor test test-all ui compare plan bench chaos gpu-check lint format clean
+.PHONY: help setup data train replicas doctor test test-matrix test-slow test-all ui compare plan bench chaos gpu-check lint format clean
 
 help:  ## list the targets and the recipes
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -75,7 +75,14 @@ doctor: setup data  ## preflight of the train job without training: devices, a c
 test: setup  ## run the test suite (multi-process tests included, slow ones not)
 	$(BIN)/python -m pytest -m "not slow" --durations=25
 
-test-all: setup  ## run every test, slow ones too
+test-matrix: setup  ## every pair of features in real runs (tests/test_matrix.py): print the array, then run it
+	$(BIN)/python -m tests.test_matrix
+	$(BIN)/python -m pytest -m matrix --durations=5
+
+test-slow: setup  ## run the slow tests but the matrix (ZeRO-3, FSDP2 and world-size phases, SLURM, restarts)
+	$(BIN)/python -m pytest -m "slow and not matrix" --durations=10
+
+test-all: setup  ## run every test, slow ones and the matrix too
 	$(BIN)/python -m pytest
 
 ui: setup  ## serve the MLflow UI for this repository's runs on http://127.0.0.1:5000 (PORT= to change)

@@ -202,6 +202,33 @@ def sft_clm_inputs(tiny_data, tmp_path_factory) -> tuple[Path, list[str]]:
     return data, ["--model_name_or_path", str(root / "model"), "--eval_samples", "16"]
 
 
+@pytest.fixture(scope="session")
+def packed_sft(sft_clm_inputs, tmp_path_factory) -> Path:
+    """Short prompt/response pairs (a docstring's start -> the function's first line), prepared with --packing true."""
+    data, _ = sft_clm_inputs
+    root = tmp_path_factory.mktemp("sft_packed")
+    pairs = [{"prompt": p[:24], "response": r.splitlines()[0][:32]} for p, r in itertools.islice(stdlib_instructions(), 300)]
+    source = write_jsonl(root / "pairs.jsonl", pairs)
+    out = root / "data"
+    prepare_task(
+        TaskArguments(task="sft", source=str(source), tokenizer=str(data / "tokenizer"), output_dir=str(out), seq_len=96, packing=True)
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
+def sft_without_dropout(sft_clm_inputs, tmp_path_factory) -> tuple[Path, Path]:
+    """The SFT data, and its tiny model with dropout off (so that gradients depend on the data alone)."""
+    from transformers import AutoModelForCausalLM
+
+    data, args = sft_clm_inputs
+    model = AutoModelForCausalLM.from_pretrained(args[args.index("--model_name_or_path") + 1])
+    model.config.attention_dropout = 0.0
+    folder = tmp_path_factory.mktemp("sft_no_dropout") / "model"
+    model.save_pretrained(folder)
+    return data, folder
+
+
 def stdlib_triples(n: int) -> list[dict]:
     """The first n preference triples of the default DPO data, as rows of a table."""
     return [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in stdlib_preferences(limit=n)]

@@ -40,7 +40,7 @@ def consumed(out: Path, world_size: int, after: int, through: int) -> list[int]:
 @pytest.mark.parametrize(
     "phases",
     [
-        [("zero2.yaml", 2), ("zero2.yaml", 1)],
+        pytest.param([("zero2.yaml", 2), ("zero2.yaml", 1)], marks=pytest.mark.slow),  # minutes; the matrix's ZeRO-2 runs in CI
         pytest.param([("zero2.yaml", 2), ("zero2.yaml", 1), ("zero2.yaml", 2)], marks=pytest.mark.slow),
         pytest.param([("zero3.yaml", 2), ("zero3.yaml", 1), ("zero3.yaml", 2)], marks=pytest.mark.slow),
         pytest.param([("fsdp.yaml", 2), ("fsdp.yaml", 1), ("fsdp.yaml", 2)], marks=pytest.mark.slow),

@@ -58,6 +58,7 @@ def test_non_finite_steps_are_skipped_then_rolled_back_past_the_bad_data(small_d
     assert not (stop / "final").exists()
 
 
+@pytest.mark.slow  # the matrix rolls a mixture back in CI
 def test_a_mixture_run_rolls_back_past_the_bad_data_too(tiny_data, small_data, tmp_path):
     """The rollback with a data_mixture (it crashed naming the skipped data: the message built a single-source cursor from
     the mixture's saved position). One process, 8 samples per step: bad steps 7-9 roll back to step 4 (position 32), and

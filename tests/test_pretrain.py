@@ -168,7 +168,8 @@ def test_two_processes_train_as_one_job(straight, small_data):
 
 
 # synchronous saves resume exactly in the kill -9 and corrupt-checkpoint tests below too: that variant is slow
-@pytest.mark.parametrize("async_save", [pytest.param("false", marks=pytest.mark.slow), "true"])
+@pytest.mark.slow  # the matrix resumes background saves exactly in CI (DDP, async_save)
+@pytest.mark.parametrize("async_save", ["false", "true"])
 def test_resume_is_bit_exact(async_save, straight, small_data, tmp_path):
     """N steps, a new launch that auto-resumes for N more == 2N straight, with dropout on (saves synchronous or in the background)."""
     straight_tmp, _ = straight
@@ -213,7 +214,8 @@ def global_order(data: Path, epochs: int, world_size: int) -> list[int]:
     return [int(i) for e in range(epochs) for i in EpochOrder(dataset.shard_sizes, SEED, e, SHUFFLE_WINDOW)[0:per_epoch]]
 
 
-@pytest.mark.parametrize(("before", "after"), [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])
+@pytest.mark.slow  # the matrix resumes on the other number of processes in CI, every sample once
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
 def test_elastic_resume_continues_the_global_order(before, after, small_data, tmp_path):
     """Stop on one world size, resume on another: no sample repeated, none skipped."""
     out = tmp_path / "out"
@@ -311,6 +313,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(straight, sm
     assert_same_weights(straight[0] / "out", out)
 
 
+@pytest.mark.slow  # minutes: the quick suite stays under 12; make test-slow runs it
 def test_sigterm_to_the_launcher_saves_exits_zero_and_resumes_exactly(small_data, tmp_path):
     """What Kubernetes, `scancel` and `scontrol requeue` do: SIGTERM to the launcher. infra.launch forwards it to the
     ranks and exits with their code, 0 after the save (plain `accelerate launch` exits 1 there). While it runs, a
@@ -458,6 +461,7 @@ def mixture_sequence(out: Path, world_size: int, after: int = 0, through: int = 
     return [pair for lines in zip(*traces, strict=True) for line in lines for pair in zip(line["ids"], line["sources"], strict=True)]
 
 
+@pytest.mark.slow  # minutes: the quick suite stays under 12; make test-slow runs it
 def test_a_mixture_resumes_exactly(tiny_data, small_data, tmp_path):
     """2 processes over a 0.7/0.3 mixture: N steps, then N more in a new launch == 2N straight, bit for bit; the trace
     names each sample's source, in the proportions."""

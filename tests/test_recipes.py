@@ -37,7 +37,6 @@ AUTO_CLASS = {  # each recipe, and how its export loads
 }
 # In the default run; the rest are slow. The classifier under FSDP2 meets both FSDP2 failures of accelerate (ready_for_fsdp).
 # DPO under ZeRO-3: its reference model sharded like the policy (infra.companions).
-QUICK = {("pretrain_clm", "zero2.yaml"), ("finetune_classification", "fsdp.yaml"), ("dpo_clm", "zero3.yaml")}
 OFFLOAD_TOLERANCE = 1e-4  # measured: about 2e-5 after a few steps, DeepSpeedCPUAdam alone reproduces it
 
 
@@ -304,20 +303,6 @@ def test_document_attention_equals_the_documents_run_alone(kernel, tiny_data):
 # Padding-free SFT: several pairs per sample, attention within each pair
 
 
-@pytest.fixture(scope="session")
-def packed_sft(sft_clm_inputs, tmp_path_factory) -> Path:
-    """Short prompt/response pairs (a docstring's start -> the function's first line), prepared with --packing true."""
-    data, _ = sft_clm_inputs
-    root = tmp_path_factory.mktemp("sft_packed")
-    pairs = [{"prompt": p[:24], "response": r.splitlines()[0][:32]} for p, r in itertools.islice(stdlib_instructions(), 300)]
-    source = write_jsonl(root / "pairs.jsonl", pairs)
-    out = root / "data"
-    prepare_task(
-        TaskArguments(task="sft", source=str(source), tokenizer=str(data / "tokenizer"), output_dir=str(out), seq_len=96, packing=True)
-    )
-    return out
-
-
 def segments(sample: dict[str, torch.Tensor]) -> list[slice]:
     """Where each packed pair lies in a sample: position ids restart at 0 at each; the padding has no labels."""
     starts = [int(i) for i in torch.nonzero(sample["position_ids"] == 0)] + [len(sample["position_ids"])]
@@ -376,19 +361,6 @@ def test_packed_sft_trains_and_resumes_exactly(sft_clm_inputs, packed_sft, tmp_p
 
 
 # The loss of an optimizer step is the mean per response token over all its micro-batches and ranks
-
-
-@pytest.fixture(scope="session")
-def sft_without_dropout(sft_clm_inputs, tmp_path_factory) -> tuple[Path, Path]:
-    """The SFT data, and its tiny model with dropout off (so that gradients depend on the data alone)."""
-    from transformers import AutoModelForCausalLM
-
-    data, args = sft_clm_inputs
-    model = AutoModelForCausalLM.from_pretrained(args[args.index("--model_name_or_path") + 1])
-    model.config.attention_dropout = 0.0
-    folder = tmp_path_factory.mktemp("sft_no_dropout") / "model"
-    model.save_pretrained(folder)
-    return data, folder
 
 
 def sft_gradients(data: Path, model: Path, out: Path, config: str | None, batch: int, accumulation: int) -> dict:
@@ -531,7 +503,7 @@ def test_a_classifier_s_loss_per_sample_is_each_sample_s_alone(recipe, request):
 @pytest.mark.parametrize(
     ("recipe", "accelerate_config"),
     [
-        pytest.param(recipe, config, marks=() if (recipe, config) in QUICK else pytest.mark.slow)
+        pytest.param(recipe, config, marks=pytest.mark.slow)  # minutes; the matrix runs ZeRO-2, ZeRO-3 and FSDP2 in CI
         for recipe in AUTO_CLASS
         for config in ("zero2.yaml", "zero3.yaml", "zero3_offload.yaml", "fsdp.yaml")
     ],

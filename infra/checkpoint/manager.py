@@ -69,6 +69,9 @@ def step_of(checkpoint: Path) -> int:
     return int(checkpoint.name[len(PREFIX) :])
 
 
+BACKGROUND_ENGINES = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)  # what async_save stages
+
+
 @dataclass
 class CheckpointConfig:
     """Checkpoint flags (part of TrainingArguments); when to save is SaveClockConfig's, what to keep RetentionConfig's."""
@@ -139,6 +142,7 @@ class CheckpointManager:
         self._background: threading.Thread | None = None  # a background save, or pruning
         self._background_error: tuple[int, Exception] | None = None
         self._staging = CpuStaging()  # CPU copies of background saves
+        self._said_synchronous = False
 
     def _remove_leftovers(self) -> None:
         """Before resuming: what interrupted saves left is removed (on rank 0; every rank waits)."""
@@ -320,7 +324,11 @@ class CheckpointManager:
         if acc.is_main_process:
             shutil.rmtree(work, ignore_errors=True)
         acc.wait_for_everyone()
-        background = background and acc.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+        if background and acc.distributed_type not in BACKGROUND_ENGINES:
+            if not self._said_synchronous:  # once: the flag is the user's, the engine decides
+                acc.print(f"async_save: {acc.distributed_type.value} saves synchronously here (background saves: DDP or one process)")
+                self._said_synchronous = True
+            background = False
         error, staged = None, None
         try:
             if background:
