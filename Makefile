@@ -16,7 +16,7 @@ EXPERIMENT ?= $(RECIPE)
 MLFLOW_DB := sqlite:///$(CURDIR)/mlflow.db
 
 .DEFAULT_GOAL := help
-.PHONY: help setup data train replicas doctor test test-matrix test-slow test-all ui compare plan bench chaos gpu-check lint format clean
+.PHONY: help setup data train replicas doctor test test-matrix test-ci-slow test-slow test-all ui compare plan bench chaos gpu-check lint format clean
 
 help:  ## list the targets and the recipes
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -78,6 +78,9 @@ test: setup  ## run the test suite (multi-process tests included, slow ones not)
 test-matrix: setup  ## every pair of features in real runs (tests/test_matrix.py): print the array, then run it
 	$(BIN)/python -m tests.test_matrix
 	$(BIN)/python -m pytest -m matrix --durations=5
+
+test-ci-slow: setup  ## the slow tests CI runs after the matrix: faults over a network of namespaces, replica groups, SIGTERM, a tracking outage
+	$(BIN)/python -m pytest -m "slow and ci" --durations=10
 
 test-slow: setup  ## run the slow tests but the matrix (ZeRO-3, FSDP2 and world-size phases, SLURM, restarts)
 	$(BIN)/python -m pytest -m "slow and not matrix" --durations=10

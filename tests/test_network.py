@@ -108,7 +108,8 @@ def training_processes(hosts: Hosts, host: int) -> list[int]:
     return found
 
 
-@pytest.mark.slow  # minutes: the quick suite stays under 12; make test-slow runs it
+@pytest.mark.slow  # minutes: out of the quick suite; CI runs it after the matrix (make test-ci-slow)
+@pytest.mark.ci
 def test_two_hosts_train_as_one_job_through_a_dead_link_a_lost_host_and_a_frozen_rank(straight, small_data, tmp_path):
     """Over a real network (two namespaces, a bridge): a dead link, a host killed, a rank frozen by SIGSTOP, each right
     after a checkpoint; each time the surviving processes exit within the bound naming the host and rank, and the next
@@ -222,7 +223,8 @@ def restarts_recover(straight, small_data, tmp_path, kills: int) -> None:
         assert trace(out, rank) == trace(straight[0] / "out", rank)
 
 
-@pytest.mark.slow  # minutes: the quick suite stays under 12; make test-slow runs it
+@pytest.mark.slow  # minutes: out of the quick suite; CI runs it after the matrix (make test-ci-slow)
+@pytest.mark.ci
 def test_in_job_restarts_over_two_hosts_recover_every_time(straight, small_data, tmp_path):
     """The c10d rendezvous with a store per attempt (what infra.launch asks for across machines): before, the restarted
     rank read its peer's address of the attempt before in the shared store, and 7 of 7 first restarts failed."""
@@ -251,7 +253,8 @@ def final_loss(tmp: Path) -> float:
     return max(client.get_metric_history(run.info.run_id, "train/loss"), key=lambda m: m.step).value
 
 
-@pytest.mark.slow  # minutes: the quick suite stays under 12; make test-slow runs it
+@pytest.mark.slow  # minutes: out of the quick suite; CI runs it after the matrix (make test-ci-slow)
+@pytest.mark.ci
 def test_elastic_shrink_goes_on_without_a_lost_host_and_grows_back_when_it_returns(straight, small_data, tmp_path):
     """Launched for 1 to 2 machines (`--min_machines 1`): host 1 killed, host 0's launcher goes on alone in the same
     session (world size 1, the global batch kept by 4 micro-steps instead of 2, resumed from the newest checkpoint);

@@ -313,7 +313,8 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(straight, sm
     assert_same_weights(straight[0] / "out", out)
 
 
-@pytest.mark.slow  # minutes: the quick suite stays under 12; make test-slow runs it
+@pytest.mark.slow  # minutes: out of the quick suite; CI runs it after the matrix (make test-ci-slow)
+@pytest.mark.ci
 def test_sigterm_to_the_launcher_saves_exits_zero_and_resumes_exactly(small_data, tmp_path):
     """What Kubernetes, `scancel` and `scontrol requeue` do: SIGTERM to the launcher. infra.launch forwards it to the
     ranks and exits with their code, 0 after the save (plain `accelerate launch` exits 1 there). While it runs, a
@@ -461,7 +462,7 @@ def mixture_sequence(out: Path, world_size: int, after: int = 0, through: int = 
     return [pair for lines in zip(*traces, strict=True) for line in lines for pair in zip(line["ids"], line["sources"], strict=True)]
 
 
-@pytest.mark.slow  # minutes: the quick suite stays under 12; make test-slow runs it
+@pytest.mark.slow  # the matrix resumes a mixture in CI
 def test_a_mixture_resumes_exactly(tiny_data, small_data, tmp_path):
     """2 processes over a 0.7/0.3 mixture: N steps, then N more in a new launch == 2N straight, bit for bit; the trace
     names each sample's source, in the proportions."""

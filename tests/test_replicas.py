@@ -219,8 +219,8 @@ def traced_steps(out: Path) -> dict[int, list[int]]:
     return dict(sorted(steps.items()))
 
 
-@pytest.mark.slow  # minutes: the quick suite stays under 12; make test-slow runs it
-@pytest.mark.parametrize("kills", [pytest.param(1, marks=over_hosts), pytest.param(KILLS, marks=over_hosts)])
+@pytest.mark.slow  # minutes: out of the quick suite; CI runs the first after the matrix (make test-ci-slow)
+@pytest.mark.parametrize("kills", [pytest.param(1, marks=[*over_hosts, pytest.mark.ci]), pytest.param(KILLS, marks=over_hosts)])
 def test_replica_groups_train_on_through_kills_a_frozen_group_and_a_dead_link(kills, plain, small_data, tmp_path):
     """`kills` SIGKILLs at random steps (the group started again at once each time), then one group frozen and another
     cut off at once."""
@@ -294,7 +294,7 @@ def test_replica_groups_train_on_through_kills_a_frozen_group_and_a_dead_link(ki
     assert max(took["frozen and cut off"]) < DROP_BOUND, took
 
 
-@pytest.mark.slow  # minutes: the quick suite stays under 12; make test-slow runs it
+@pytest.mark.slow  # minutes: out of the quick suite (make test-slow)
 @pytest.mark.multiprocess
 def test_groups_of_two_processes_train_as_one_process_with_the_global_batch(small_data, tmp_path):
     """Two replica groups of two processes each (DDP inside a group, micro-batches of 2 with no_sync until the last),

@@ -83,7 +83,8 @@ def test_compare_prints_a_table_and_plots_the_curves(store, tmp_path, capsys):
     assert exit_.value.code == 2 and "experiment='nope' is not in" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # minutes: the quick suite stays under 12; make test-slow runs it
+@pytest.mark.slow  # minutes: out of the quick suite; CI runs it after the matrix (make test-ci-slow)
+@pytest.mark.ci
 @pytest.mark.multiprocess
 def test_a_tracking_server_outage_delays_metrics_but_loses_none(small_data, tmp_path):
     """A real `mlflow server`, killed while the recipe runs and started again: one run, every point, one warning.
