@@ -154,6 +154,7 @@ def test_dpo_trains_logs_and_resumes_exactly(dpo_clm_inputs, tmp_path):
     assert rates[0] == pytest.approx(5e-5 * 1 / warmup) and rates == sorted(rates)  # step 2 trained at 1/12 of the peak
 
 
+@pytest.mark.slow  # minutes with the rest: out of the quick suite (make test-slow)
 @pytest.mark.multiprocess
 def test_lora_dpo_with_reference_log_probs_computed_ahead_resumes_exactly(dpo_clm_inputs, tmp_path):
     """use_peft and precompute_ref_log_probs together, 2 CPU processes: the base model's log-probabilities computed once

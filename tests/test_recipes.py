@@ -514,6 +514,7 @@ def test_recipe_under_sharding_resumes_exactly(recipe, accelerate_config, reques
     straight_then_resumed(recipe, accelerate_config, request.getfixturevalue(f"{recipe}_inputs"), tmp_path, ("--report_to", "none"))
 
 
+@pytest.mark.slow  # minutes with the rest: the matrix resumes LoRA runs bit for bit in CI (make test-slow)
 @pytest.mark.multiprocess
 def test_lora_checkpoints_hold_the_adapter_and_resume_exactly(sft_clm_inputs, tmp_path):
     """sft_clm with use_peft on 2 CPU processes: resumed == straight, bit for bit (merged export); each checkpoint holds the
