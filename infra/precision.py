@@ -133,8 +133,12 @@ def cached_bf16_speedup() -> float:
     the others (the launch's other ranks, later launches) read its answer."""
     cache = probe_cache()
     key = f"{cpu_description()}; torch {torch.__version__}; {torch.get_num_threads()} threads"
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    with open(cache.with_suffix(".lock"), "w") as lock:
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(cache.with_suffix(".lock"), "w")  # noqa: SIM115 (closed below)
+    except OSError:  # no writable cache (a read-only home): measured here and not kept; the preflight checks ranks agree
+        return round(bf16_speedup(), 3)
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         known = {}
         with contextlib.suppress(OSError, ValueError):
@@ -142,8 +146,9 @@ def cached_bf16_speedup() -> float:
         if key not in known:
             known[key] = round(bf16_speedup(), 3)
             partial = cache.with_suffix(".partial")
-            partial.write_text(json.dumps(known, indent=1))
-            partial.replace(cache)
+            with contextlib.suppress(OSError):  # a full disk: the answer holds for this process
+                partial.write_text(json.dumps(known, indent=1))
+                partial.replace(cache)
         return float(known[key])
 
 

@@ -77,6 +77,15 @@ def test_the_probe_runs_once_per_machine_and_every_process_takes_its_answer(cpu_
     assert resolve("auto").value == "no" and probe["calls"] == 2
 
 
+def test_a_cache_that_cannot_be_written_measures_without_keeping(cpu_only, monkeypatch, probe, tmp_path):
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv(precision.PROBE_CACHE_ENV, str(tmp_path / "a_file" / "probe.json"))  # its folder is a file
+    probe["speedup"] = 1.3
+    assert resolve("auto").value == "bf16" and resolve("auto").value == "bf16" and probe["calls"] == 2
+
+
 def test_the_probe_measures_both_precisions(cpu_only):
     """The real probe: a positive ratio, in seconds (bf16 there is native or emulated, whatever the CPU)."""
     start = time.monotonic()
