@@ -32,6 +32,7 @@ import pytest
 from infra.distributed import FSDP_ON_CPU_ENV
 from infra.testing import FAULTS_ENV
 from tests.conftest import BIN, REPO, launch_command, run_launch
+from tests.test_pretrain import kill_all, trace
 
 FACTORS = OrderedDict(
     engine=["ddp", "zero2", "zero3", "fsdp2"],
@@ -226,8 +227,6 @@ def interrupted(case: Case, inputs: dict, folder: Path, upload: str | None) -> t
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=180) == 0, log.read_text()[-3000:]
         else:
-            from tests.test_pretrain import kill_all
-
             kill_all(proc)
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -239,10 +238,6 @@ def interrupted(case: Case, inputs: dict, folder: Path, upload: str | None) -> t
     step = int(saved[-1].name[len("step_") :])
     assert step < STEPS, f"the run reached step {step} before its fault"
     return subprocess.CompletedProcess(cmd, 0, text, ""), step
-
-
-def trace(out: Path, rank: int) -> list[dict]:
-    return [json.loads(line) for line in (out / "trace" / f"rank{rank}.jsonl").read_text().splitlines()]
 
 
 def consumed(out: Path, processes: int, after: int = 0, through: int = 1 << 30) -> list:
