@@ -26,6 +26,7 @@ Logged: train/rewards/{chosen,rejected,margins,accuracies} and train/logps/{chos
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -37,7 +38,7 @@ from infra.config import parse_config, require, resolved
 from infra.data import DataArguments
 from infra.job import Companion, LossOutput
 from infra.lora import LoraArguments, is_adapted, with_lora
-from infra.recipe import AttentionArguments, causal_lm_flops, load_pretrained, open_data, run_recipe, start
+from infra.recipe import AttentionArguments, Data, causal_lm_flops, load_pretrained, open_data, run_recipe, start
 from infra.reference import with_scores
 from infra.trainer import Job, TrainingArguments, check_data_and_training, train
 
@@ -152,6 +153,22 @@ def precomputed(accelerator, model, data_args: DataArguments, args: TrainingArgu
     return replace(data_args, data_dir=folder)
 
 
+def scored_ahead(
+    accelerator, reference: Companion | None, policy, policy_source: str, data_args: DataArguments, args: TrainingArguments
+) -> Callable[[], Data]:
+    """What the Trainer calls, once it holds the output_dir's lock, for the data with the reference's log-probabilities
+    (`precomputed`): the reference's, or the LoRA policy's without its adapter. The reference goes with the call."""
+    held = [reference]
+
+    def prepare() -> Data:
+        scorer = held.pop()
+        source = scorer.source if scorer else f"{policy_source} without the adapter"
+        scored = precomputed(accelerator, scorer.model if scorer else policy, data_args, args, source)
+        return open_data(scored, args, FIELDS + REFERENCE_FIELDS, "infra.reference")
+
+    return prepare
+
+
 def dpo_eval(loss: DPOLoss):
     def evaluate(accelerator, model, batches) -> dict[str, float]:
         """Loss, rewards and accuracy per pair over the held-out pairs, all ranks together."""
@@ -195,10 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     model = with_lora(model, model_args, "CAUSAL_LM")
     reference = load_reference(model_args, model)
+    prepare_data = None
     if dpo_args.precompute_ref_log_probs:  # the reference is needed for one pass, then dropped
-        source = reference.source if reference else f"{model_args.model_name_or_path} without the adapter"
-        data_args = precomputed(accelerator, reference.model if reference else model, data_args, args, source)
-        data, reference = open_data(data_args, args, FIELDS + REFERENCE_FIELDS, "infra.reference"), None
+        prepare_data, reference = scored_ahead(accelerator, reference, model, model_args.model_name_or_path, data_args, args), None
     loss = DPOLoss(dpo_args.beta, reference)
     companions = {"reference": reference} if reference is not None else {}
 
@@ -216,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         adapter_only=model_args.use_peft and model_args.lora_export == "adapter",
         per_sample_losses=True,
         companions=companions,
+        prepare_data=prepare_data,
     )
     return train(accelerator, args, data_args, config, job)
 

@@ -213,6 +213,27 @@ def test_a_bad_beta_or_reference_stops_the_recipe_in_one_line(flags, line, dpo_c
     assert "Traceback" not in proc.stderr and not out.exists()
 
 
+def test_reference_scores_are_written_only_under_the_output_dir_s_lock(dpo_clm_inputs, tmp_path):
+    """precompute_ref_log_probs into an output_dir another job holds: refused in one line before the pass, which would
+    have replaced that job's reference_logps under it."""
+    from infra.lock import OutputDirLock
+
+    data, extra = dpo_clm_inputs
+    out = tmp_path / "out"
+    held = OutputDirLock(out).acquire()
+    args = [*recipe_args("dpo_clm", data, out, STEPS, extra), "--report_to", "none", "--precompute_ref_log_probs", "true"]
+    env = {"PATH": "", "HF_HUB_OFFLINE": "1"}
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(REPO / "recipes" / "dpo_clm.py"), *args], capture_output=True, text=True, env=env, timeout=120
+        )
+    finally:
+        held.release()
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith("output_dir error: "), proc.stderr[-2000:]
+    assert "is in use by another job" in proc.stderr and "reference scores" not in proc.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["job.lock"]
+
+
 def test_the_reference_counts_in_the_memory_estimate():
     """A frozen companion adds its weights (fp32; bf16 under DeepSpeed), sharded under ZeRO-3 and FSDP like the policy."""
     from infra.memory import Setup, Shape, estimate
