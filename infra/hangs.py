@@ -145,6 +145,8 @@ class Watchdog:
         self.step = 0
         self.doing = ("start-up", 0, time.monotonic())  # the last collective entered: (name, step, since)
         self.started = self._relaxed = False
+        # the least either deadline may be: a replica group's ranks also wait on the other groups (infra.replicas)
+        self.floor = 0.0
         self._last = time.monotonic()
         self._fired = threading.Lock()
         self._pending_stamp = False
@@ -174,18 +176,22 @@ class Watchdog:
         self.doing = (name, self.step + 1, time.monotonic())
 
     def deadline(self) -> float:
-        return self.start_timeout if (self._relaxed or not self.started) else step_deadline(self.step_timeout, self.recent)
+        if self._relaxed or not self.started:
+            return self.start_timeout
+        return max(self.floor, step_deadline(self.step_timeout, self.recent))
 
     def silence(self) -> float:
         """When a late step starts to be checked for a silent peer (not during start-up, saves, loads, evaluations: a
         peer busy in one may starve its stamp thread)."""
-        return self.start_timeout if (self._relaxed or not self.started) else silence_deadline(self.step_timeout, self.recent)
+        if self._relaxed or not self.started:
+            return self.start_timeout
+        return max(self.floor, silence_deadline(self.step_timeout, self.recent))
 
     @contextlib.contextmanager
-    def relaxed(self) -> Iterator[None]:
+    def relaxed(self, what: str = "checkpoint or evaluation") -> Iterator[None]:
         """The start-up timeout for work that may keep ranks waiting long (a save, a load, an evaluation)."""
         was, self._relaxed = self._relaxed, True
-        self.entering("checkpoint or evaluation (relaxed timeout)")
+        self.entering(f"{what} (relaxed timeout)")
         try:
             yield
         finally:

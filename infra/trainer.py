@@ -449,12 +449,17 @@ class Trainer:
                     loss = self.hooks.on_loss(loss, position)
                 acc.backward(loss)
             step_loss += loss.detach()
-        grad_norm = acc.clip_grad_norm_(self.model.parameters(), args.max_grad_norm) if args.max_grad_norm else None
-        if isinstance(grad_norm, DTensor):  # FSDP2's norm of sharded gradients
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = self.clip_gradients()
         self.hooks.before_optimizer_step(state.step + 1, self.model, grad_norm)
         # this rank's summed item losses; the step's items
         return self.update(step_loss, step_loss * num_items_in_batch, items, grad_norm)
+
+    def clip_gradients(self) -> torch.Tensor | None:
+        """The gradients' global norm, clipped to max_grad_norm (None when not clipping)."""
+        if not self.args.max_grad_norm:
+            return None
+        grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+        return grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm  # FSDP2's norm of sharded gradients
 
     def micro_loss(self, batch: Batch, num_items_in_batch: torch.Tensor, sources: torch.Tensor | None = None) -> torch.Tensor:
         """The job's loss of one micro-batch; its metrics (and with a data_mixture each sample's loss, to its source's)

@@ -1,9 +1,13 @@
 """Training that goes on when a replica group dies: replica-level fault tolerance over torchft.
 
-A replica group is one Accelerate job (one or more processes, DDP inside, one host in practice) holding a whole copy
-of the model. Several groups train together: a lighthouse (`python -m infra.replicas lighthouse`) agrees on a quorum of
-the live groups before every step, the gradients are summed across the quorum only, and the optimizer steps only when
-the step commits. A group that dies is left out of the next quorum; one that starts (or comes back) heals from a live
+A replica group is one Accelerate job (one or more processes, one host in practice) holding a whole copy of the model:
+replicated over its processes (DDP) or sharded among them (FSDP2; with the groups, HSDP: sharded inside a group,
+replicated across groups). Every group runs the same number of processes: process k of each group sums its gradients
+with process k of the others, and heals from it.
+
+Several groups train together: a lighthouse (`python -m infra.replicas lighthouse`) agrees on a quorum of the live
+groups before every step, the gradients are summed across the quorum only, and the optimizer steps only when the step
+commits. A group that dies is left out of the next quorum; one that starts (or comes back) heals from a live
 peer, weights, optimizer, schedule, counters and data position, without reading the shared checkpoint.
 
 Data: every step trains on the global batch the one cursor gives (`global_batch_size` samples); the live groups split
@@ -82,8 +86,6 @@ def launch_problem(args, engine: str | None) -> str | None:
     if engine == "DEEPSPEED":
         return (
             "fault_tolerance=replicas cannot run on DeepSpeed ZeRO: its one engine spans every process, so no replica group "
-            "can leave or join alone; use a DDP config (accelerate_configs/cpu.yaml, ddp.yaml)"
+            "can leave or join alone; use a DDP or FSDP config (accelerate_configs/cpu.yaml, ddp.yaml, fsdp.yaml)"
         )
-    if engine == "FSDP":
-        return "fault_tolerance=replicas runs DDP inside each replica group; FSDP inside a group (HSDP) is not supported yet"
     return None

@@ -22,12 +22,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlparse
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import DistributedType, broadcast_object_list
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
 
 
 @dataclass
@@ -39,6 +41,30 @@ class Seat:
     id: int  # the quorum's number: a new one at every change of the groups in it
     healed_from: int | None  # the step this group healed to, when it did at this quorum
     seconds: float  # the quorum's wait, a heal included
+
+
+class Part(NamedTuple):
+    """A sharded tensor (FSDP2's DTensor) as a healing group receives it: the sending process's own part. Process k of
+    a group heals from process k of a live one, which holds the same slice, so the part goes into place as it is."""
+
+    local: torch.Tensor
+
+
+def as_parts(state: Any) -> Any:
+    """`state` with every DTensor replaced by this process's part of it (what a heal sends)."""
+    return tree_map_only(DTensor, lambda t: Part(t.to_local()), state)
+
+
+def from_part(value: Any, like: torch.Tensor) -> Any:
+    """A received `Part` as a DTensor laid out as `like` (the tensor it replaces); any other value as it is."""
+    if not isinstance(value, Part):
+        return value
+    return DTensor.from_local(value.local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's part of `tensor` (the tensor itself unless sharded), writable in place."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def route_address(url: str) -> str:
@@ -111,11 +137,13 @@ class ReplicaGroup:
             broadcast_object_list(store)
         timeout = timedelta(seconds=config.replica_timeout_seconds)
         self.loaded: int | None = None  # the step a heal brought, until the Trainer reads it
-        say = accelerator.print
+        self.id = config.replica_group_id
+        # FSDP: each process of the group holds its own part of the state, and heals it from the same process of a peer
+        self.parted = accelerator.distributed_type == DistributedType.FSDP
 
         def send() -> dict[str, Any]:  # to a group that heals, from torchft's quorum thread (the main one waits)
             state = state_dict()
-            say(f"replica group {config.replica_group_id}: sent the state of step {state['train']['step']} (xxh3 {digest(state)})")
+            self.tell(f"sent the state of step {state['train']['step']} (xxh3 {digest(state)})")
             return state
 
         def load(state: dict[str, Any]) -> None:
@@ -143,6 +171,13 @@ class ReplicaGroup:
             init_sync=False,  # every group builds the same weights from the seed; a fresh job loads one checkpoint
         )
 
+    def tell(self, line: str) -> None:
+        """A line about this group's state: from its main process, or from every process when each holds a part."""
+        if self.parted:
+            print(f"replica group {self.id} process {self.accelerator.process_index}: {line}", flush=True)
+        elif self.accelerator.is_main_process:
+            print(f"replica group {self.id}: {line}", flush=True)
+
     def quorum(self) -> Seat:
         """The quorum of this step (waits for min_replicas groups); a group behind the others heals here."""
         start = time.monotonic()
@@ -159,20 +194,22 @@ class ReplicaGroup:
         self.manager.allreduce(tensor, reduce_op=torch.distributed.ReduceOp.SUM).wait()
         return tensor
 
+    @torch.no_grad()
     def sum_gradients(self, model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
         """Every trainable parameter's gradient summed over the quorum, and `loss` with them: one all-reduce of one
-        flat buffer."""
+        flat buffer. Under FSDP each process sums its own part with the same process of the other groups (HSDP: sharded
+        inside a group, replicated across groups)."""
         params = [p for p in model.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:  # unused in this group's share: a zero contribution
                 p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1).float() for p in params] + [loss.reshape(1).float()])
+        grads = [local(p.grad) for p in params]
+        flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss.reshape(1).float()])
         self.sum(flat)
         offset = 0
-        for p in params:
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-            offset += n
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
         return flat[-1]
 
     def commit(self) -> bool:

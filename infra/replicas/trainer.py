@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from infra.data.loader import EpochOrder, _collate
-from infra.replicas.quorum import ReplicaGroup, Seat, digest
+from infra.hangs import SILENT_AFTER
+from infra.replicas.quorum import ReplicaGroup, Seat, as_parts, digest, from_part
 from infra.trainer import StepResult, Trainer, to_device
 
 
@@ -78,9 +79,14 @@ class ReplicaTrainer(Trainer):
         self.seat: Seat | None = None  # the quorum of the step under way (the first one's is taken in restore)
         self.seat_rank = 0  # this group's rank in the quorum of the last step: rank 0 saves and exports
         self.redone = 0  # steps that did not commit and were done again
+        self.short = False  # the last quorum had fewer than min_replicas groups
         self.live, self.quorum_id = 0, -1  # the quorum of the last committed step: its groups, its number
         self.costs: dict[str, float] = {}  # seconds of the last step's sum across groups and commit
         self.heals: list[tuple[int, float]] = []  # (step healed to, seconds), to log
+        # Inside a step a rank may wait on the other groups for up to replica_timeout_seconds (a sum, the commit), and
+        # torchft can keep its stamp thread from running meanwhile: the group's own watchdog allows for that before it
+        # takes a silent rank of the group for lost. The other groups leave this one out after that timeout anyway.
+        self.watchdog.floor = 2 * args.replica_timeout_seconds + SILENT_AFTER
 
     @property
     def own_dir(self) -> str:
@@ -89,19 +95,26 @@ class ReplicaTrainer(Trainer):
     # -- the state a group heals from ------------------------------------------------------------------------------
 
     def replica_state(self) -> dict:
-        """Everything a healing group needs to train on as this one (called by torchft between two steps)."""
-        return {
-            "model": self.accelerator.unwrap_model(self.model).state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "cursor": self.cursor.state_dict(),
-            "train": self.state.state_dict(),
-            "metrics": dict(self.latest),
-        }
+        """Everything a healing group needs to train on as this one (called by torchft between two steps); under FSDP
+        this process's parts of the sharded weights and moments."""
+        return as_parts(
+            {
+                "model": self.accelerator.unwrap_model(self.model).state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "cursor": self.cursor.state_dict(),
+                "train": self.state.state_dict(),
+                "metrics": dict(self.latest),
+            }
+        )
 
     def load_replica_state(self, state: dict) -> None:
-        self.accelerator.unwrap_model(self.model).load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        model = self.accelerator.unwrap_model(self.model)
+        ours = model.state_dict()
+        model.load_state_dict({k: from_part(v, ours[k]) for k, v in state["model"].items()})
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]  # the optimizer state's numbering
+        moments = {i: {k: from_part(v, params[i]) for k, v in s.items()} for i, s in state["optimizer"]["state"].items()}
+        self.optimizer.load_state_dict({**state["optimizer"], "state": moments})
         self.scheduler.load_state_dict(state["scheduler"])
         self.cursor.load_state_dict(state["cursor"])
         self.state.load_state_dict(state["train"])
@@ -141,14 +154,22 @@ class ReplicaTrainer(Trainer):
         same samples until a quorum commits it."""
         while True:
             if self.seat is None:
-                self.watchdog.entering("the quorum")
-                self.seat = self.join_quorum()
+                with self.watchdog.relaxed("the quorum"):  # bounded by quorum_timeout_seconds
+                    self.seat = self.join_quorum()
                 if self.seat.healed_from is not None:  # it was behind the others (frozen, cut off)
                     self.bar.n = self.state.step
-            result = self.attempt(self.seat)
-            self.seat = None
+            seat, self.seat = self.seat, None
+            result = self.attempt(seat)
             if result is not None:
+                self.short = False
                 return result
+            if seat.size < self.args.min_replicas:  # a quorum the commit refuses (the lighthouse's min_replicas is lower)
+                if not self.short:
+                    live = f"{seat.size} group{'s' if seat.size > 1 else ''} live"
+                    self.say(f"{live}, fewer than min_replicas={self.args.min_replicas}: waiting for more")
+                self.short = True
+                time.sleep(1.0)  # not a loop of quorums as fast as the lighthouse answers
+                continue
             self.redone += 1
             self.say(f"step {self.state.step + 1} did not commit ({self.group.why_not()}): done again on the same samples")
             self.tracker.log({"ft/steps_redone": self.redone}, step=self.state.step + 1, again=True)
@@ -162,19 +183,17 @@ class ReplicaTrainer(Trainer):
         self.watchdog.entering("data")
         ids = self.global_batches.ids(self.cursor)
         slot, slots = seat.rank * acc.num_processes + acc.process_index, seat.size * acc.num_processes
-        batches = [
-            to_device(self.global_batches.read(p), acc.device) if len(p) else None
-            for p in share(ids, slot, slots, args.per_device_train_batch_size)
-        ]
+        parts = share(ids, slot, slots, args.per_device_train_batch_size)
+        batches = [self.read(p) if len(p) else None for p in parts]
         self.watchdog.entering("the item count's all-reduce (across replica groups)")
         items = self.count_items([b for b in batches if b is not None])
-        num_items_in_batch = items / acc.num_processes  # DDP averages over this group's processes; the groups' are summed
-        step_loss = self.backward(batches, num_items_in_batch)
+        num_items_in_batch = items / acc.num_processes  # DDP and FSDP average over this group's processes; the groups' are summed
+        step_loss = self.backward(batches, num_items_in_batch, ids[:1])
         self.watchdog.entering("the gradient all-reduce (across replica groups)")
         summing = time.perf_counter()
         loss_sum = self.group.sum_gradients(self.model, step_loss * num_items_in_batch)  # over the groups, for this rank
         self.costs["ft/gradient_sum_seconds"] = time.perf_counter() - summing
-        grad_norm = acc.clip_grad_norm_(self.model.parameters(), args.max_grad_norm) if args.max_grad_norm else None
+        grad_norm = self.clip_gradients()
         self.hooks.before_optimizer_step(state.step + 1, self.model, grad_norm)
         self.watchdog.entering("the commit")
         committing = time.perf_counter()
@@ -192,16 +211,25 @@ class ReplicaTrainer(Trainer):
         self.log_quorum(seat)
         return result
 
-    def backward(self, batches: list, num_items_in_batch: torch.Tensor) -> torch.Tensor:
-        """The forward and backward passes of this process's micro-batches (None: an empty one); their summed loss."""
+    def read(self, ids: np.ndarray):
+        return to_device(self.global_batches.read(ids), self.accelerator.device)
+
+    def backward(self, batches: list, num_items_in_batch: torch.Tensor, stand_in: np.ndarray) -> torch.Tensor:
+        """The forward and backward passes of this process's micro-batches (None: an empty one); their summed loss.
+        In a group of several processes an empty micro-batch still runs its passes, on the `stand_in` sample with the
+        loss times zero: the other processes' passes wait on this one's (DDP's gradient all-reduce on the last
+        micro-batch, FSDP's gathers on every one), and it adds exact zeros."""
         acc = self.accelerator
         self.watchdog.entering("forward and backward")
         step_loss = torch.zeros((), device=acc.device)
         for i, batch in enumerate(batches):
-            if batch is None:
+            if batch is None and acc.num_processes == 1:
                 continue
             last = i == len(batches) - 1
-            with self.model.no_sync() if acc.num_processes > 1 and not last else contextlib.nullcontext():
+            with acc.no_sync(self.model) if acc.num_processes > 1 and not last else contextlib.nullcontext():
+                if batch is None:
+                    acc.backward(self.job.loss(self.model, self.read(stand_in), num_items_in_batch).loss * 0)
+                    continue
                 with self.stragglers.compute():
                     loss = self.micro_loss(batch, num_items_in_batch)
                     loss = self.hooks.on_loss(loss, self.state.step * len(batches) + i + 1)
@@ -227,7 +255,7 @@ class ReplicaTrainer(Trainer):
                 self.say(f"{seat.size} group{'s' if seat.size > 1 else ''} live (were {self.live}) from step {self.state.step}")
             self.live, self.quorum_id = seat.size, seat.id
         for step, seconds in self.heals:
-            self.say(f"healed from a live group to step {step} in {seconds:.1f}s (xxh3 {self.group.loaded_digest})")
+            self.group.tell(f"healed from a live group to step {step} in {seconds:.1f}s (xxh3 {self.group.loaded_digest})")
             metrics |= {"ft/heal_seconds": seconds}
         self.heals.clear()
         self.tracker.log(metrics, step=self.state.step)
@@ -249,7 +277,7 @@ class ReplicaTrainer(Trainer):
 
     def export(self) -> None:
         """The state every live group ends with (equal everywhere, bit for bit), and the model, by the group of rank 0."""
-        self.say(f"final state of step {self.state.step} (xxh3 {digest(self.replica_state())})")
+        self.group.tell(f"final state of step {self.state.step} (xxh3 {digest(self.replica_state())})")
         if self.seat_rank == 0:
             super().export()
         else:
