@@ -306,8 +306,7 @@ def test_replica_groups_train_on_through_kills_a_frozen_group_and_a_dead_link(ki
     assert {step: sorted(ids) for step, ids in steps.items()} == plain_steps(plain)
     # the weights of the plain run up to the order of the sums
     ours, theirs = load_file(tmp_path / "out" / "final" / "model.safetensors"), load_file(plain / "final" / "model.safetensors")
-    for name in ours.keys() - theirs.keys():  # FSDP's export also writes the tied output embedding: equal to its twin
-        assert any(torch.equal(ours[name], ours[twin]) for twin in theirs), name
+    assert ours.keys() == theirs.keys()  # the same engine's export (FSDP's also writes the tied output embedding)
     differences = {name: float((ours[name] - theirs[name]).abs().max()) for name in theirs}
     print(f"largest difference to the plain run: {max(differences.values()):.2e}")
     assert max(differences.values()) < TOLERANCE, differences
