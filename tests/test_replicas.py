@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -42,8 +43,10 @@ GLOBAL_BATCH = 16
 LIGHTHOUSE_PORT = 29510
 REPLICA_TIMEOUT = 5  # seconds a group waits on the others in a step
 HEARTBEAT_MS = 2000  # the lighthouse takes a silent group for dead after this
-# from a frozen or cut-off group to the survivors' next committed step: the step's wait, the lighthouse's, a step
-DROP_BOUND = REPLICA_TIMEOUT + HEARTBEAT_MS / 1000 + 5
+JOIN_MS = 1000  # the lighthouse's default join_timeout_ms
+# from a frozen or cut-off group to the survivors' next committed step, at worst (docs/replicas.md): the lighthouse's
+# wait for the group (join timeout), the reconnection's or the sum's timeout, the heartbeat's, and a step of 4 s at most
+DROP_BOUND = REPLICA_TIMEOUT + HEARTBEAT_MS / 1000 + JOIN_MS / 1000 + 4
 KILLS = 5  # in the slow test; the quick one kills once
 # The same global batch in one process and in one micro-batch. fp32 and a learning rate at which the run is not chaotic:
 # the groups' micro-batches of <= 4 samples run the same sums in another order, and at 1e-2 on 300 samples those last
@@ -116,6 +119,49 @@ def test_equal_states_have_equal_digests_and_one_bit_changes_it():
     flipped[0, 0] ^= 1
     assert digest(state) != digest(same)
     assert digest(state) != digest({**state, "train": {"step": 4}})
+
+
+def test_a_frozen_groups_store_fails_the_reconfiguration_in_its_timeout_instead_of_holding_it_up():
+    """torch's TCPStore client waits without a timeout for a stopped store's first answer: the cross-group process
+    group's reconfiguration must give up in its timeout, drop what a late one builds, and configure again after."""
+    from datetime import timedelta
+
+    from infra.replicas.gloo import BoundedGloo
+
+    serve = (
+        "from torch.distributed import TCPStore; import time; "
+        "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False); print(s.port, flush=True); time.sleep(120)"
+    )
+    store = subprocess.Popen([sys.executable, "-c", serve], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(store.stdout.readline())
+        os.kill(store.pid, signal.SIGSTOP)
+        pg, outcome = BoundedGloo(timeout=timedelta(seconds=1)), []
+
+        def configure(prefix: str) -> None:
+            start = time.monotonic()
+            try:
+                pg.configure(f"127.0.0.1:{port}/{prefix}", "0", 0, 1)
+                outcome.append(("configured", time.monotonic() - start))
+            except TimeoutError as e:
+                outcome.append((str(e), time.monotonic() - start))
+
+        caller = threading.Thread(target=configure, args=("frozen",), daemon=True)
+        caller.start()
+        caller.join(10)  # unbounded, it would still wait here
+        assert not caller.is_alive() and "did not answer in 1s" in outcome[0][0] and outcome[0][1] < 3, outcome
+        os.kill(store.pid, signal.SIGCONT)  # the late reconfiguration ends now, and its process group is dropped
+        late = [t for t in threading.enumerate() if t.name.startswith("gloo-configure-")]
+        for t in late:
+            t.join(10)
+        assert late and not any(t.is_alive() for t in late) and pg._pg is None
+        configure("live")
+        assert outcome[1][0] == "configured", outcome
+        total = torch.ones(3)
+        pg.allreduce([total], torch.distributed.AllreduceOptions()).wait()
+        assert total.tolist() == [1.0, 1.0, 1.0]
+    finally:
+        store.kill()
 
 
 def plain_run(data: Path, tmp: Path, steps: int = STEPS, config: str = "cpu.yaml", processes: int = 1) -> Path:

@@ -125,6 +125,8 @@ class ReplicaGroup:
         import torchft
         from torch.distributed import TCPStore
 
+        from infra.replicas.gloo import BoundedGloo
+
         logging.getLogger("torchft").setLevel(logging.CRITICAL)  # tracebacks of a lost peer: the Trainer says it in a line
 
         self.accelerator, self.min_replicas = accelerator, config.min_replicas
@@ -152,7 +154,7 @@ class ReplicaGroup:
             self.loaded_digest = digest(state_dict())  # as this group now holds it: equal to the sender's if exact
 
         self.manager = torchft.Manager(
-            pg=torchft.ProcessGroupGloo(timeout=timeout),
+            pg=BoundedGloo(timeout=timeout),  # a frozen group's store cannot hold the others up
             load_state_dict=load,
             state_dict=send,
             min_replica_size=config.min_replicas,
