@@ -170,6 +170,10 @@ def round_trip(accelerator: Accelerator, model: torch.nn.Module, output_dir: str
             return err
         return None
 
+    # FSDP: torch's sharded optimizer save fills an empty optimizer state with one step of zero gradients at lr 0, so
+    # Adam's step counter would start the run at 1 and its bias correction be one step off (the first update 0.74x)
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    fresh = [optimizer for optimizer in accelerator._optimizers if fsdp and not optimizer.state]
     files: dict = {}
     start = time.perf_counter()
     error = attempt(lambda: accelerator.save_state(str(scratch)))
@@ -189,6 +193,9 @@ def round_trip(accelerator: Accelerator, model: torch.nn.Module, output_dir: str
         error = attempt(lambda: load_state(accelerator, scratch))
         saved = all_ranks_ok(accelerator, error is None)
         load_seconds = time.perf_counter() - start
+    for optimizer in fresh:  # as it was: no state, no gradients
+        optimizer.state.clear()
+        optimizer.zero_grad(set_to_none=True)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         shutil.rmtree(scratch, ignore_errors=True)
