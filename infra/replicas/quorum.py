@@ -111,6 +111,64 @@ def digest(state: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
+def torchft_id(group: str, processes: int) -> str:
+    """The replica id this group gives torchft: its process count and its id (torchft numbers the group's ranks by the
+    id's trailing digits, which stay the group's own)."""
+    return f"{processes}p-{group}"
+
+
+def misfit(replica_ids: list[str], group: str, processes: int) -> str | None:
+    """Why the groups of a quorum (torchft's replica ids, `torchft_id:uuid`) cannot train together, or None: every group
+    runs the same number of processes, and no two share a number (torchft's ranks across groups come from it)."""
+    members = [m.groups() for r in replica_ids if (m := re.fullmatch(r"(\d+)p-(.+)", r.split(":")[0]))]
+    for n, other in members:
+        if int(n) != processes:
+            return (
+                f"replica group {group} runs {processes} process{'es' if processes > 1 else ''} and group {other} runs "
+                f"{n}: every group must run the same number (process k of each sums its gradients with process k of "
+                "the others)"
+            )
+    numbers: dict[int, str] = {}
+    for _, other in members:
+        number = int(re.search(r"\d+$", other).group())
+        if number in numbers:
+            first = numbers[number]
+            same = f"two replica groups are named {other}" if first == other else f"replica groups {first} and {other} both end in {number}"
+            return f"{same}: torchft numbers a group by the digits its id ends in, so every group needs its own"
+        numbers[number] = other
+    return None
+
+
+class Members:
+    """torchft's client of this group's quorum server, which looks at each quorum's groups before torchft configures the
+    process group across them (groups that do not fit together crash there). A group joining a quorum it does not fit
+    (behind the others, or every group at step 0) stops with a LaunchError; a group that has been training waits, up to
+    the quorum's timeout, for a quorum without the misfit (it stops at once: the lighthouse drops it at its heartbeat
+    timeout)."""
+
+    def __init__(self, client, group: str, processes: int, tell: Callable[[str], None]):
+        self.client, self.group, self.processes, self.tell = client, group, processes, tell
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    def _quorum(self, **kwargs):
+        from infra.distributed import LaunchError
+
+        end, said = time.monotonic() + kwargs["timeout"].total_seconds(), None
+        while True:
+            quorum = self.client._quorum(**kwargs)
+            problem = misfit(quorum.replica_ids, self.group, self.processes)
+            if problem is None:
+                return quorum
+            if kwargs["step"] < quorum.max_step or quorum.max_step == 0 or time.monotonic() > end:
+                raise LaunchError(problem)
+            if problem != said:
+                self.tell(f"a group that does not fit joined ({problem}); waiting for a quorum without it")
+                said = problem
+            time.sleep(0.5)
+
+
 class ReplicaGroup:
     """torchft's Manager for this replica group (every process of the group builds one)."""
 
@@ -167,11 +225,12 @@ class ReplicaGroup:
             store_addr=host,
             store_port=int(store[0]),
             lighthouse_addr=config.lighthouse.rstrip("/"),
-            replica_id=config.replica_group_id,
+            replica_id=torchft_id(config.replica_group_id, accelerator.num_processes),
             hostname=host,
             checkpoint_transport=transport(host, timeout),
             init_sync=False,  # every group builds the same weights from the seed; a fresh job loads one checkpoint
         )
+        self.manager._client = Members(self.manager._client, self.id, accelerator.num_processes, self.tell)
 
     def tell(self, line: str) -> None:
         """A line about this group's state: from its main process, or from every process when each holds a part."""
