@@ -74,6 +74,6 @@ class Job:
     adapter_only: bool = False  # a LoRA model's export: the adapter alone, not merged into the base (infra.lora)
     per_sample_losses: bool = False  # the loss gives LossOutput.per_sample when asked: a data_mixture logs each source's
     companions: dict[str, Companion] = field(default_factory=dict)  # frozen models beside `model` (infra.companions)
-    # data made once the Trainer holds the output_dir's lock, in place of `data` (it writes there: DPO's reference scores,
-    # infra.reference); `data` gives its shape until then
-    prepare_data: Callable[[], Data] | None = None
+    # data made once the Trainer holds the output_dir's lock, in place of `data`, given the job's own folder to write in
+    # (DPO's reference scores, infra.reference: a replica group's own, infra.replicas); `data` gives its shape until then
+    prepare_data: Callable[[str], Data] | None = None

@@ -251,8 +251,8 @@ class Trainer:
         claim(acc, self.own_dir)  # one job per output_dir: before anything is written, held to the end
         if acc.is_main_process:
             clear_stop_record(self.own_dir)
-        if job.prepare_data is not None:  # it writes into the output_dir: only under its lock
-            job.data = job.prepare_data()
+        if job.prepare_data is not None:  # it writes into its own folder: only under the lock
+            job.data = job.prepare_data(self.own_dir)
         ready_for_fsdp(acc, job.model)  # before the optimizer takes the parameters
         compile_blocks(acc, job.model, args)  # in place, before DDP wraps it (DeepSpeed and FSDP: by accelerate in prepare)
         optimizer = build_optimizer(job.model, args)

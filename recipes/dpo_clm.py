@@ -137,9 +137,10 @@ def reference_logps(model, input_ids: torch.Tensor, labels: torch.Tensor) -> tor
         return answer_logps(model, input_ids, labels)
 
 
-def precomputed(accelerator, model, data_args: DataArguments, args: TrainingArguments, source: str) -> DataArguments:
+def precomputed(accelerator, model, data_args: DataArguments, args: TrainingArguments, source: str, own_dir: str) -> DataArguments:
     """The data with the reference's log-probabilities of every pair as two more fields, computed once ahead by `model`
-    (the reference, or a LoRA policy before its first step), whole on each rank."""
+    (the reference, or a LoRA policy before its first step), whole on each rank, kept in the job's own folder (each
+    replica group scores for itself: no two write one copy)."""
     model.to(accelerator.device).eval()
 
     def score(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -147,7 +148,7 @@ def precomputed(accelerator, model, data_args: DataArguments, args: TrainingArgu
             return torch.stack(reference_logps(model, *pairs(batch)).chunk(2))
 
     key = {"reference": source, "mixed_precision": accelerator.mixed_precision, "world_size": accelerator.num_processes}
-    out = Path(args.output_dir) / "reference_logps"
+    out = Path(own_dir) / "reference_logps"
     folder = with_scores(accelerator, data_args.data_dir, out, key, score, REFERENCE_FIELDS, args.per_device_eval_batch_size)
     model.train()
     return replace(data_args, data_dir=folder)
@@ -160,10 +161,10 @@ def scored_ahead(
     (`precomputed`): the reference's, or the LoRA policy's without its adapter. The reference goes with the call."""
     held = [reference]
 
-    def prepare() -> Data:
+    def prepare(own_dir: str) -> Data:
         scorer = held.pop()
         source = scorer.source if scorer else f"{policy_source} without the adapter"
-        scored = precomputed(accelerator, scorer.model if scorer else policy, data_args, args, source)
+        scored = precomputed(accelerator, scorer.model if scorer else policy, data_args, args, source, own_dir)
         return open_data(scored, args, FIELDS + REFERENCE_FIELDS, "infra.reference")
 
     return prepare
