@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 from infra.hangs import LAUNCH_STATUS_ENV, PEER_LOST_EXIT_CODE
-from infra.rendezvous import elastic, elastic_problem, flag, node_problem, setting, with_rendezvous
+from infra.rendezvous import TIMEOUT_ENV, elastic, elastic_problem, flag, node_problem, setting, with_rendezvous
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
 # torchrun's --signals_to_handle (its default read from this variable): torch elastic's agent turns these signals into
@@ -91,30 +91,40 @@ def exit_code(code: int) -> int:
 AGENT_GRACE_SECONDS = 5.0
 
 
-def watch_agent() -> None:
+def watch_agent(grace: float, restarts: bool) -> None:
     """End this launcher once its training processes have exited for a lost peer (they say so in a folder this launcher
-    gives them) and torch elastic's agent has not returned AGENT_GRACE_SECONDS later: over a dead link the agent waits on
-    its rendezvous store, which no timeout of its own bounds (seen: still waiting 300 s later). No restarts are left to
-    it (--max_restarts 0), so nothing is lost."""
+    gives them) and torch elastic's agent has neither returned nor started them again `grace` seconds later. Its
+    rendezvous store on node 0 bounds no wait of its own: over a dead link the agent waited on it 300 s and more, and
+    with a frozen node 0 (its kernel still accepts connections) an agent with restarts left waited on it for good. With
+    restarts the grace is the rendezvous timeout: a new group that forms within it goes on."""
     folder = tempfile.mkdtemp(prefix="infra-launch-")
     os.environ[LAUNCH_STATUS_ENV] = folder
     atexit.register(shutil.rmtree, folder, True)
 
     def watch():
-        since = None
+        since = running = None
         while True:
             time.sleep(0.5)
+            if children(os.getpid()):
+                running = running or time.time()
+                for path in Path(folder).glob("rank*.json"):  # an earlier attempt's: its processes were started again
+                    if path.stat().st_mtime < running:
+                        path.unlink(missing_ok=True)
+                since = None
+                continue
+            running = None
             told = sorted(Path(folder).glob("rank*.json"))
-            if not told or children(os.getpid()):
+            if not told:
                 since = None
                 continue
             since = since or time.monotonic()
-            if time.monotonic() - since >= AGENT_GRACE_SECONDS:
+            if time.monotonic() - since >= grace:
                 status = json.loads(told[0].read_text())
                 ranks = ", ".join(f"rank {json.loads(p.read_text())['rank']}" for p in told)
+                agent = "did not start them again" if restarts else "did not return"
                 print(
-                    f"launch: {ranks} exited with code {status['code']} (a peer lost); torch elastic's agent did not return "
-                    f"within {AGENT_GRACE_SECONDS:g}s (its rendezvous store does not answer): exiting",
+                    f"launch: {ranks} exited with code {status['code']} (a peer lost); torch elastic's agent {agent} "
+                    f"within {grace:g}s (its rendezvous store does not answer): exiting",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -137,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"launch error: {problem}", file=sys.stderr)
         return 1
     sys.argv = ["accelerate", "launch", *with_rendezvous(elastic(args))]
-    if int(flag(args, "--max_restarts") or 0) == 0:
-        watch_agent()
+    restarts = int(flag(args, "--max_restarts") or 0) > 0
+    watch_agent(float(os.environ.get(TIMEOUT_ENV, 300)) + AGENT_GRACE_SECONDS if restarts else AGENT_GRACE_SECONDS, restarts)
     try:
         accelerate()
     except subprocess.CalledProcessError as err:  # one process (accelerate's simple launcher): it printed its own error

@@ -18,7 +18,9 @@ import psutil
 import pytest
 
 from infra.checkpoint import read_manifest
-from infra.hangs import AUTO_FLOOR_SECONDS, SILENT_FLOOR_SECONDS
+from infra.hangs import AUTO_FLOOR_SECONDS, PEER_LOST_EXIT_CODE, SILENT_FLOOR_SECONDS
+from infra.launch import AGENT_GRACE_SECONDS
+from infra.rendezvous import TIMEOUT_ENV
 from infra.testing import FAULTS_ENV
 from tests.conftest import REPO, launch_command
 from tests.hosts import Hosts
@@ -229,6 +231,29 @@ def test_in_job_restarts_over_two_hosts_recover_every_time(straight, small_data,
     """The c10d rendezvous with a store per attempt (what infra.launch asks for across machines): before, the restarted
     rank read its peer's address of the attempt before in the shared store, and 7 of 7 first restarts failed."""
     restarts_recover(straight, small_data, tmp_path, kills=3)
+
+
+@pytest.mark.slow  # a minute: out of the quick suite; CI runs it after the matrix (make test-ci-slow)
+@pytest.mark.ci
+def test_a_frozen_node_0_ends_the_other_nodes_in_job_restarts_within_the_rendezvous_timeout(small_data, tmp_path, monkeypatch):
+    """Every process of host 0 frozen (SIGSTOP: its kernel still accepts connections, nothing answers) while host 1's
+    launcher has in-job restarts left: its rank stops for the lost peer, and its agent's new rendezvous through host 0's
+    store would wait for good (it did: still waiting 150 s later); the launcher exits within the rendezvous timeout, in
+    one line, so the scheduler can act."""
+    monkeypatch.setenv(TIMEOUT_ENV, "20")
+    with Hosts(2) as hosts:
+        job = Job(hosts, small_data, tmp_path, "frozen", {"rank": "all", "slow_seconds": 0.25}, restarts=2)
+        job.wait_for_checkpoint(4)
+        hosts.kill(0, signal.SIGSTOP)
+        took = job.exits_within([1], 20 + AGENT_GRACE_SECONDS + 2 * AUTO_FLOOR_SECONDS)
+        hosts.kill(0)
+    log = job.log(1)
+    assert job.procs[1].returncode == PEER_LOST_EXIT_CODE and "Traceback" not in log, log[-3000:]
+    assert log.strip().splitlines()[-1] == (
+        "launch: rank 1 exited with code 76 (a peer lost); torch elastic's agent did not start them again within 25s "
+        "(its rendezvous store does not answer): exiting"
+    )
+    print(f"host 1's launcher exited {took[1]:.1f}s after host 0 froze")
 
 
 @pytest.mark.slow
