@@ -300,14 +300,19 @@ def test_the_preemption_watchdog_ends_a_process_that_does_not_exit(tmp_path):
     assert proc.returncode == 1 and "no clean exit within preemption_grace_seconds=0.5" in proc.stdout  # not 0 after the sleep
 
 
-def test_a_zero_checkpoint_is_refused_by_fsdp(accelerator, trainer, tmp_path, monkeypatch):
-    """Another world size, ZeRO stage or DDP is converted (tests/test_elastic.py); FSDP is refused, in one line."""
+@pytest.mark.parametrize(
+    "was, now", [("DEEPSPEED", "FSDP"), ("MULTI_CPU", "FSDP"), ("NO", "FSDP"), ("FSDP", "MULTI_CPU"), ("FSDP", "DEEPSPEED")]
+)
+def test_a_change_to_or_from_fsdp_is_refused(accelerator, trainer, tmp_path, monkeypatch, was, now):
+    """Another world size, ZeRO stage or DDP <-> ZeRO is converted (tests/test_elastic.py); FSDP loads only its own
+    sharded files and writes files no other engine loads: refused in one line (FSDP had crashed looking for them)."""
     _, state, step = trainer
     checkpoints = manager(accelerator, tmp_path)
     step()
-    checkpoints.save(state.step, {"distributed_type": "DEEPSPEED", "world_size": 8})  # as 8 ZeRO ranks would write it
-    monkeypatch.setattr(accelerator.state, "distributed_type", DistributedType.FSDP)
-    with pytest.raises(CheckpointError, match=r"written by 8 DEEPSPEED processes and this run is 1 FSDP: a ZeRO checkpoint resumes"):
+    checkpoints.save(state.step, {"distributed_type": was, "world_size": 8})  # as 8 ranks of that engine would write it
+    monkeypatch.setattr(accelerator.state, "distributed_type", DistributedType[now])
+    refused = rf"written by 8 {was} processes and this run is 1 {now}: an FSDP checkpoint resumes under FSDP only"
+    with pytest.raises(CheckpointError, match=refused):
         checkpoints.resume("auto")
     assert checkpoints.path(1).exists()  # refused, not thrown away
 

@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from infra.data import DataCursor, ResumableLoader
 from infra.distributed import FSDP_ON_CPU_ENV, LaunchError
 from infra.replicas import launch_problem
-from infra.replicas.quorum import Members, digest, misfit, torchft_id
+from infra.replicas.quorum import Layout, Members, digest, misfit, torchft_id
 from infra.replicas.trainer import GlobalBatches, share
 from infra.testing import FAULTS_ENV
 from infra.trainer import TrainingArguments
@@ -123,19 +123,27 @@ def test_equal_states_have_equal_digests_and_one_bit_changes_it():
 
 
 def test_groups_that_cannot_train_together_are_named_in_one_line():
-    ids = [f"{torchft_id(g, n)}:uuid{g}" for g, n in (("0", 2), ("node1", 2))]
-    assert misfit(ids, "0", 2) is None
-    assert misfit([*ids, "1p-2:u"], "2", 1) == (
+    two, one, sharded = Layout(2, False), Layout(1, False), Layout(2, True)
+    ids = [f"{torchft_id(g, two)}:uuid{g}" for g in ("0", "node1")]
+    assert ids[0] == "2p-whole-0:uuid0" and misfit(ids, "0", two) is None
+    assert misfit([*ids, f"{torchft_id('2', one)}:u"], "2", one) == (
         "replica group 2 runs 1 process and group 0 runs 2: every group must run the same number (process k of each sums "
         "its gradients with process k of the others)"
     )
-    assert misfit([*ids, "2p-rack1:u"], "rack1", 2).startswith("replica groups node1 and rack1 both end in 1: torchft numbers")
-    assert misfit([*ids, "2p-0:u2"], "0", 2).startswith("two replica groups are named 0: ")
+    assert misfit([*ids, f"{torchft_id('2', sharded)}:u"], "2", sharded) == (
+        "replica group 2 shards the model (FSDP) and group 0 holds the whole model in each process (DDP or one process): "
+        "every group must run the same engine (process k of each sums the same gradients with process k of the others)"
+    )
+    assert misfit([*ids, "2p-whole-rack1:u"], "rack1", two).startswith("replica groups node1 and rack1 both end in 1: torchft numbers")
+    assert misfit([*ids, "2p-whole-0:u2"], "0", two).startswith("two replica groups are named 0: ")
+
+
+ONE = Layout(1, False)
 
 
 class Quorum:
     def __init__(self, step: int, *groups: str):
-        self.max_step, self.replica_ids = step, [f"{torchft_id(g, 1)}:u{i}" for i, g in enumerate(groups)]
+        self.max_step, self.replica_ids = step, [f"{torchft_id(g, ONE)}:u{i}" for i, g in enumerate(groups)]
 
 
 class Client:
@@ -158,11 +166,11 @@ def test_a_group_that_does_not_fit_the_quorum_stops_when_it_joins_and_a_training
     # the one joining (behind the others), or any group of a job at step 0: a LaunchError before torchft configures
     for step, quorum in ((0, late), (0, Quorum(0, "0", "1", "1"))):
         with pytest.raises(LaunchError, match="^two replica groups are named 1: "):
-            Members(Client(quorum), "1", 1, said.append)._quorum(step=step, **ask)
+            Members(Client(quorum), "1", ONE, said.append)._quorum(step=step, **ask)
     # a group that has been training asks again until the misfit has left, says so once, and passes everything else on
     client = Client(late, late, Quorum(7, "0", "1"))
-    members = Members(client, "0", 1, said.append)
-    assert members._quorum(step=7, **ask).replica_ids == ["1p-0:u0", "1p-1:u1"] and client.asked == 3
+    members = Members(client, "0", ONE, said.append)
+    assert members._quorum(step=7, **ask).replica_ids == ["1p-whole-0:u0", "1p-whole-1:u1"] and client.asked == 3
     assert said == [
         "a group that does not fit joined (two replica groups are named 1: torchft numbers a group by the digits its "
         "id ends in, so every group needs its own); waiting for a quorum without it"
@@ -170,7 +178,7 @@ def test_a_group_that_does_not_fit_the_quorum_stops_when_it_joins_and_a_training
     assert members.should_commit()
     # ... within the quorum's timeout
     with pytest.raises(LaunchError):
-        Members(Client(late), "0", 1, said.append)._quorum(step=7, group_rank=0, timeout=timedelta(seconds=0.2))
+        Members(Client(late), "0", ONE, said.append)._quorum(step=7, group_rank=0, timeout=timedelta(seconds=0.2))
 
 
 def test_a_frozen_groups_store_fails_the_reconfiguration_in_its_timeout_instead_of_holding_it_up():
@@ -423,14 +431,30 @@ def test_replica_groups_train_on_through_kills_a_frozen_group_and_a_dead_link(ki
     assert max(took["frozen and cut off"]) < DROP_BOUND, took
 
 
-@pytest.mark.slow  # 40 s: CI runs it after the matrix (make test-ci-slow)
+ANOTHER_PROCESS_COUNT = (
+    "cpu.yaml",
+    2,
+    "replica group 1 runs 2 processes and group 0 runs 1: every group must run the same number",
+    "replica group 0 runs 1 process and group 1 runs 2: every group must run the same number",
+)
+ANOTHER_ENGINE = (
+    "fsdp.yaml",
+    1,
+    "replica group 1 shards the model (FSDP) and group 0 holds the whole model in each process (DDP or one process): every",
+    "replica group 0 holds the whole model in each process (DDP or one process) and group 1 shards the model (FSDP): every",
+)
+
+
+@pytest.mark.slow  # 40 s each: CI runs them after the matrix (make test-ci-slow)
 @pytest.mark.ci
 @pytest.mark.multiprocess
-def test_a_group_of_another_process_count_is_refused_in_one_line_while_the_job_goes_on(small_data, tmp_path):
-    """A group of two processes that joins a job of one-process groups stops with one line before torchft builds a
-    process group across them (which crashes); the training group says why it waits, and goes on once it has left."""
+@pytest.mark.parametrize("config, processes, refused, waited", [ANOTHER_PROCESS_COUNT, ANOTHER_ENGINE], ids=["processes", "engine"])
+def test_a_group_that_does_not_fit_is_refused_in_one_line_while_the_job_goes_on(config, processes, refused, waited, small_data, tmp_path):
+    """A group of two processes, or one under FSDP, that joins a job of one-process DDP groups stops with one line
+    before torchft builds a process group across them (which crashed on either: a segfault, an abort at the first sum of
+    buffers of other sizes); the training group says why it waits, and goes on once it has left."""
     port, out = free_port(), tmp_path / "out"
-    env = {"OMP_NUM_THREADS": "1", "RUST_LOG": "warn", FAULTS_ENV: json.dumps({"rank": "all", "slow_seconds": 0.3})}
+    env = {"OMP_NUM_THREADS": "1", "RUST_LOG": "warn", FAULTS_ENV: json.dumps({"rank": "all", "slow_seconds": 0.3}), FSDP_ON_CPU_ENV: "1"}
     cmd = [sys.executable, "-m", "infra.replicas", "lighthouse", "--port", str(port), "--heartbeat_timeout_ms", str(HEARTBEAT_MS)]
     lighthouse = subprocess.Popen(cmd, cwd=REPO)
     args = recipe_args(small_data, out, 500, *COMMON, "--per_device_train_batch_size", "16", "--preflight", "false")
@@ -443,7 +467,7 @@ def test_a_group_of_another_process_count_is_refused_in_one_line_while_the_job_g
         while "starting fresh" not in logs[0].read_text():
             assert group.poll() is None and time.monotonic() < end, logs[0].read_text()[-3000:]
             time.sleep(0.2)
-        cmd, env_ = launch_command("cpu.yaml", [*args, "--replica_group_id", "1"], tmp_path, num_processes=2, env=env)
+        cmd, env_ = launch_command(config, [*args, "--replica_group_id", "1"], tmp_path, num_processes=processes, env=env)
         joiner = subprocess.run(cmd, cwd=REPO, env=env_, stdout=logs[1].open("w"), stderr=subprocess.STDOUT, timeout=120)
         step = max(traced_steps(out), default=0)
         end = time.monotonic() + 30
@@ -455,11 +479,9 @@ def test_a_group_of_another_process_count_is_refused_in_one_line_while_the_job_g
             proc.kill()
             proc.wait(timeout=10)
     text = [path.read_text() for path in logs]
-    problem = "replica group 1 runs 2 processes and group 0 runs 1: every group must run the same number"
-    assert joiner.returncode == 1 and f"launch error: {problem}" in text[1], text[1][-3000:]
+    assert joiner.returncode == 1 and f"launch error: {refused}" in text[1], text[1][-3000:]
     assert not re.search(r'File ".*/(infra|recipes)/', text[1]), text[1][-3000:]  # accelerate's launcher tells of its child
-    problem = "replica group 0 runs 1 process and group 1 runs 2: every group must run the same number"
-    assert f"a group that does not fit joined ({problem} (process k of each" in text[0]
+    assert f"a group that does not fit joined ({waited}" in text[0], text[0][-3000:]
     assert "others)); waiting for a quorum without it" in text[0]
     assert "Traceback" not in text[0] and "did not commit" not in text[0], text[0][-3000:]
     assert list(traced_steps(out)) == list(range(1, max(traced_steps(out)) + 1))  # no step lost or taken twice

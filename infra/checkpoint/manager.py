@@ -257,10 +257,11 @@ class CheckpointManager:
         deepspeed, fsdp = DistributedType.DEEPSPEED.value, DistributedType.FSDP.value
         if now == deepspeed and was is None:
             return "its manifest does not name the engine that wrote it (an older version), so resume with that engine"
-        if {was, now} == {deepspeed, fsdp}:
+        if (was == fsdp) != (now == fsdp):  # FSDP's sharded files load under FSDP alone, and it loads nothing else
             return (
                 f"it was written by {manifest.get('world_size')} {was} processes and this run is {acc.num_processes} {now}: "
-                "a ZeRO checkpoint resumes under DeepSpeed or DDP, and an FSDP one under FSDP, so resume with one of those"
+                "an FSDP checkpoint resumes under FSDP only and FSDP resumes no other, so resume with the engine that "
+                "wrote it (DDP and ZeRO resume each other's)"
             )
         if was == now == deepspeed and manifest.get("mixed_precision", acc.mixed_precision) != acc.mixed_precision:
             return (

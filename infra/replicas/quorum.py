@@ -111,22 +111,43 @@ def digest(state: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
-def torchft_id(group: str, processes: int) -> str:
-    """The replica id this group gives torchft: its process count and its id (torchft numbers the group's ranks by the
-    id's trailing digits, which stay the group's own)."""
-    return f"{processes}p-{group}"
+class Layout(NamedTuple):
+    """How a group holds the model: what every group of a quorum must share (process k of each sums its gradients with
+    process k of the others, in buffers of one size)."""
+
+    processes: int
+    sharded: bool  # FSDP: each process holds a slice; else (DDP, one process) each holds the whole model
+
+    def __str__(self) -> str:
+        return f"{self.processes}p-{'fsdp' if self.sharded else 'whole'}"
+
+    def engine(self) -> str:
+        return "shards the model (FSDP)" if self.sharded else "holds the whole model in each process (DDP or one process)"
 
 
-def misfit(replica_ids: list[str], group: str, processes: int) -> str | None:
+def torchft_id(group: str, layout: Layout) -> str:
+    """The replica id this group gives torchft: its layout and its id (torchft numbers the group's ranks by the id's
+    trailing digits, which stay the group's own)."""
+    return f"{layout}-{group}"
+
+
+def misfit(replica_ids: list[str], group: str, layout: Layout) -> str | None:
     """Why the groups of a quorum (torchft's replica ids, `torchft_id:uuid`) cannot train together, or None: every group
-    runs the same number of processes, and no two share a number (torchft's ranks across groups come from it)."""
-    members = [m.groups() for r in replica_ids if (m := re.fullmatch(r"(\d+)p-(.+)", r.split(":")[0]))]
-    for n, other in members:
-        if int(n) != processes:
+    runs the same number of processes and the same engine, and no two share a number (torchft's ranks across groups
+    come from it)."""
+    found = (re.fullmatch(r"(\d+)p-(whole|fsdp)-(.+)", r.split(":")[0]) for r in replica_ids)
+    members = [(Layout(int(m[1]), m[2] == "fsdp"), m[3]) for m in found if m]
+    for theirs, other in members:
+        if theirs.processes != layout.processes:
             return (
-                f"replica group {group} runs {processes} process{'es' if processes > 1 else ''} and group {other} runs "
-                f"{n}: every group must run the same number (process k of each sums its gradients with process k of "
-                "the others)"
+                f"replica group {group} runs {layout.processes} process{'es' if layout.processes > 1 else ''} and group "
+                f"{other} runs {theirs.processes}: every group must run the same number (process k of each sums its "
+                "gradients with process k of the others)"
+            )
+        if theirs.sharded != layout.sharded:
+            return (
+                f"replica group {group} {layout.engine()} and group {other} {theirs.engine()}: every group must run the "
+                "same engine (process k of each sums the same gradients with process k of the others)"
             )
     numbers: dict[int, str] = {}
     for _, other in members:
@@ -146,8 +167,8 @@ class Members:
     the quorum's timeout, for a quorum without the misfit (it stops at once: the lighthouse drops it at its heartbeat
     timeout)."""
 
-    def __init__(self, client, group: str, processes: int, tell: Callable[[str], None]):
-        self.client, self.group, self.processes, self.tell = client, group, processes, tell
+    def __init__(self, client, group: str, layout: Layout, tell: Callable[[str], None]):
+        self.client, self.group, self.layout, self.tell = client, group, layout, tell
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.client, name)
@@ -158,7 +179,7 @@ class Members:
         end, said = time.monotonic() + kwargs["timeout"].total_seconds(), None
         while True:
             quorum = self.client._quorum(**kwargs)
-            problem = misfit(quorum.replica_ids, self.group, self.processes)
+            problem = misfit(quorum.replica_ids, self.group, self.layout)
             if problem is None:
                 return quorum
             if kwargs["step"] < quorum.max_step or quorum.max_step == 0 or time.monotonic() > end:
@@ -200,6 +221,7 @@ class ReplicaGroup:
         self.id = config.replica_group_id
         # FSDP: each process of the group holds its own part of the state, and heals it from the same process of a peer
         self.parted = accelerator.distributed_type == DistributedType.FSDP
+        layout = Layout(accelerator.num_processes, self.parted)
 
         def send() -> dict[str, Any]:  # to a group that heals, from torchft's quorum thread (the main one waits)
             state = state_dict()
@@ -225,12 +247,12 @@ class ReplicaGroup:
             store_addr=host,
             store_port=int(store[0]),
             lighthouse_addr=config.lighthouse.rstrip("/"),
-            replica_id=torchft_id(config.replica_group_id, accelerator.num_processes),
+            replica_id=torchft_id(config.replica_group_id, layout),
             hostname=host,
             checkpoint_transport=transport(host, timeout),
             init_sync=False,  # every group builds the same weights from the seed; a fresh job loads one checkpoint
         )
-        self.manager._client = Members(self.manager._client, self.id, accelerator.num_processes, self.tell)
+        self.manager._client = Members(self.manager._client, self.id, layout, self.tell)
 
     def tell(self, line: str) -> None:
         """A line about this group's state: from its main process, or from every process when each holds a part."""
