@@ -263,46 +263,54 @@ def test_the_default_data_pairs_each_function_against_another():
     assert f"def {name}(" in triples[0][1] and f"def {name}(" not in triples[0][2]
 
 
-@pytest.mark.slow  # 40 s: CI runs it after the matrix (make test-ci-slow)
+@pytest.mark.slow  # 60 s: CI runs it after the matrix (make test-ci-slow)
 @pytest.mark.ci
 @pytest.mark.multiprocess
 def test_dpo_with_reference_scores_ahead_trains_as_replica_groups_each_scoring_in_its_own_folder(dpo_clm_inputs, tmp_path):
     """DPO under fault_tolerance=replicas, two groups of one process with precompute_ref_log_probs: each group scores
     the data into its own folder (two groups writing one copy at once had raced: one's unfinished copy removed under the
-    other), the copies are equal, every step is committed on the global batch, and both groups end equal, bit for bit."""
+    other), the copies are equal; group 1 dies after step 3 and is started again: it reads its copy instead of scoring
+    again and heals from group 0. Every step is committed on the global batch, and both groups end equal, bit for bit."""
+    from infra.testing import FAULTS_ENV
     from tests.test_replicas import traced_steps
 
     data, extra = dpo_clm_inputs
-    out, port = tmp_path / "out", free_port()
-    args = [*recipe_args("dpo_clm", data, out, STEPS, extra), "--report_to", "none", "--precompute_ref_log_probs", "true"]
+    out, port, steps = tmp_path / "out", free_port(), STEPS + 2
+    args = [*recipe_args("dpo_clm", data, out, steps, extra), "--report_to", "none", "--precompute_ref_log_probs", "true"]
     args += ["--global_batch_size", "8", "--per_device_train_batch_size", "2", "--trace_samples", "--preflight", "false"]
     args += ["--fault_tolerance", "replicas", "--lighthouse", f"http://127.0.0.1:{port}", "--min_replicas", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", "HF_HUB_OFFLINE": "1"}
+    slow = {"rank": "all", "slow_seconds": 0.2}  # a step of at least 0.4 s: the death lands mid-run on any CPU
     lighthouse = subprocess.Popen([sys.executable, "-m", "infra.replicas", "lighthouse", "--port", str(port)], cwd=REPO)
+
+    def start(group: int, faults: dict) -> subprocess.Popen:
+        cmd = [sys.executable, str(REPO / "recipes" / "dpo_clm.py"), *args, "--replica_group_id", str(group)]
+        env_ = {**env, FAULTS_ENV: json.dumps(faults)}
+        return subprocess.Popen(cmd, cwd=REPO, env=env_, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
     try:
-        script = [sys.executable, str(REPO / "recipes" / "dpo_clm.py"), *args]
-        groups = [
-            subprocess.Popen(
-                [*script, "--replica_group_id", str(g)], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
-            for g in (0, 1)
-        ]
+        groups = [start(0, slow), start(1, {**slow, "die_at_step": 3})]
+        first = groups[1].communicate(timeout=300)[0]
+        groups[1] = start(1, slow)
         logs = [proc.communicate(timeout=300)[0] for proc in groups]
     finally:
         lighthouse.kill()
         lighthouse.wait(timeout=10)
     assert [proc.returncode for proc in groups] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    assert "test fault: rank dies at step 3" in first, first[-3000:]
     copies = [PackedDataset(out / "replicas" / str(g) / "reference_logps") for g in (0, 1)]
-    assert all(f"kept in {out / 'replicas' / str(g) / 'reference_logps'}" in logs[g] for g in (0, 1))
+    assert all(f"kept in {out / 'replicas' / str(g) / 'reference_logps'}" in text for g, text in ((0, logs[0]), (1, first)))
+    assert f"reference scores: {out / 'replicas' / '1' / 'reference_logps'} (computed by an earlier launch)" in logs[1]
+    assert re.search(r"healed from a live group to step [3-9]", logs[1]), logs[1][-3000:]
     assert not (out / "reference_logps").exists() and not list(out.glob("**/*.partial"))
     every = list(range(len(copies[0])))
-    first, second = (c.__getitems__(every) for c in copies)
-    assert all(torch.equal(first[k], second[k]) for k in first) and (first["ref_chosen_logps"] < 0).all()
-    steps = traced_steps(out)
-    assert list(steps) == list(range(1, STEPS + 1)) and all(len(ids) == 8 for ids in steps.values())
-    order = [i for ids in steps.values() for i in sorted(ids)]
-    epoch = len(set(order))  # every training pair, once an epoch
+    first_copy, second_copy = (c.__getitems__(every) for c in copies)
+    assert all(torch.equal(first_copy[k], second_copy[k]) for k in first_copy) and (first_copy["ref_chosen_logps"] < 0).all()
+    committed = traced_steps(out)
+    assert list(committed) == list(range(1, steps + 1)) and all(len(ids) == 8 for ids in committed.values())
+    order = [i for ids in committed.values() for i in ids]
+    epoch = len(set(order)) // 8 * 8  # every training pair once an epoch, but those past its last whole global batch
     assert all(len(set(order[k : k + epoch])) == len(order[k : k + epoch]) for k in range(0, len(order), epoch)), order
-    finals = [re.findall(rf"final state of step {STEPS} \(xxh3 (\w+)\)", log) for log in logs]
+    finals = [re.findall(rf"final state of step {steps} \(xxh3 (\w+)\)", log) for log in logs]
     assert finals[0] == finals[1] and len(finals[0]) == 1, finals
-    assert "Traceback" not in logs[0] + logs[1]
+    assert "Traceback" not in first + logs[0] + logs[1]
