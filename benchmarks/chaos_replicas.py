@@ -107,6 +107,19 @@ def healed(job: Job, fault: dict) -> bool:
     return "healed from a live group" in job.text(fault["group"])[since:]
 
 
+def lost(commits: list[tuple[float, int]], step_seconds: float, at: float, dropped: float, end: float) -> tuple[float, float]:
+    """The wall time a fault cost, in its window (from the fault to the next one): up to the survivors' next commit,
+    and after it, each the time less what its committed steps would have taken at the fault-free pace."""
+
+    def cost(start: float, stop: float) -> float:
+        inside = [step for t, step in commits if start <= t < stop]
+        before = [step for t, step in commits if t < start]
+        steps = (inside[-1] - before[-1]) if inside and before else 0
+        return (stop - start) - steps * step_seconds
+
+    return cost(at, dropped), cost(dropped, end)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=15.0)
@@ -170,9 +183,14 @@ def main() -> None:
     print(
         f"ETTR from the first step (what a run long enough to spread its start-up tends to): {steps * step_seconds / (wall - started):.3f}"
     )
-    print("\nfault  group  to the survivors' next commit  scheduler to healed (s)")
-    for f in faults:
-        print(f"{f['kind']:5s}  {f['group']:5d}  {f['dropped'] - f['at']:29.1f}  {f['healed'] - f['restarted']:22.1f}")
+    print("\nfault  group  to the survivors' next commit  scheduler to healed (s)  lost: to that commit, after it (s)")
+    ends = [f["at"] for f in faults[1:]] + [begin + wall]
+    for f, end in zip(faults, ends, strict=True):
+        to_commit, after = lost(commits, step_seconds, f["at"], f["dropped"], end)
+        times = f"{f['dropped'] - f['at']:29.1f}  {f['healed'] - f['restarted']:22.1f}  {to_commit:12.1f}  {after:8.1f}"
+        print(f"{f['kind']:5s}  {f['group']:5d}  {times}")
+    print(f"lost to the start-up: {started - step_seconds:.1f} s; what a fault costs after the survivors' next commit is the steps")
+    print("taken with a group missing (larger shares) and the heal (the quorum that takes the group back in waits for it)")
     print(f"\nlogs: {work}")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -61,6 +62,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_EMPTY_STORE: list[Path] = []
+
+
+def tracking_uri(folder: Path) -> str:
+    """The MLflow store of a test's launches, `folder/mlflow.db`: a copy of one empty store made once a session, unless
+    the folder has its store already. A new sqlite store runs MLflow's schema migrations, 3 to 10 s of a core, which
+    each launched test would otherwise pay; the copy is the same database."""
+    store = folder / "mlflow.db"
+    if not store.exists():
+        if not _EMPTY_STORE:
+            import tempfile
+
+            import mlflow
+
+            empty = Path(tempfile.mkdtemp(prefix="infra-tests-mlflow-")) / "mlflow.db"
+            mlflow.MlflowClient(f"sqlite:///{empty}").search_experiments()
+            _EMPTY_STORE.append(empty)
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(_EMPTY_STORE[0], store)
+    return f"sqlite:///{store}"
+
+
 def launch_command(
     accelerate_config: str,
     recipe_args: list[str],
@@ -76,7 +99,7 @@ def launch_command(
 
     The environment added is where MLflow writes (a store in tmp_path), and `env`.
     """
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", **(env or {})}
+    env = {**os.environ, "MLFLOW_TRACKING_URI": tracking_uri(tmp_path), **(env or {})}
     cmd = [
         *launcher,
         "--config_file",

@@ -163,8 +163,7 @@ def metric(store: Path, key: str) -> float:
     return history(store, key)[max(history(store, key))]
 
 
-@pytest.mark.slow  # minutes: CI runs it after the matrix (make test-ci-slow)
-@pytest.mark.ci
+@pytest.mark.slow  # minutes: out of the quick suite (the matrix resumes compiled runs in CI)
 def test_compiled_runs_match_eager_ones_and_resume_each_other(small_data, tmp_path):
     """2 processes (DDP over gloo), fp32, no dropout: eager 0->10->20, compiled 0->10, and from each one's step-10
     checkpoint the other kind to 20. Every loss is within 1e-3 of the eager run's at the same step."""

@@ -189,9 +189,8 @@ def test_two_processes_train_as_one_job(straight, small_data):
 
 
 # synchronous saves resume exactly in the kill -9 and corrupt-checkpoint tests below too: that variant is slow
-# the matrix resumes background saves exactly in CI; CI also runs the async variant of this one (retention, the MLflow run
-# continued, an epoch end crossed)
-@pytest.mark.parametrize("async_save", ["false", pytest.param("true", marks=pytest.mark.ci)])
+# the matrix resumes background saves exactly in CI
+@pytest.mark.parametrize("async_save", ["false", "true"])
 @pytest.mark.slow
 def test_resume_is_bit_exact(async_save, straight, small_data, tmp_path):
     """N steps, a new launch that auto-resumes for N more == 2N straight, with dropout on (saves synchronous or in the background)."""
@@ -412,9 +411,8 @@ def elastic_restart(small_data, tmp_path, die_at_step: int) -> subprocess.Comple
 
 
 # Torch elastic's restarted gloo groups used to hang or refuse their first collective; with lazy gloo init they do not
-# (test_elastic_restarts_stress: 10 of 10). CI runs this one after the matrix; the stress is the slow suite's.
+# (test_elastic_restarts_stress: 10 of 10). CI restarts in the job over two hosts (tests/test_network.py).
 @pytest.mark.slow
-@pytest.mark.ci
 def test_an_elastic_restart_resumes_by_itself_to_the_same_weights(straight, small_data, tmp_path):
     proc = elastic_restart(small_data, tmp_path, die_at_step=10)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -506,8 +504,8 @@ def test_a_mixture_resumes_exactly(tiny_data, small_data, tmp_path):
     assert changed.returncode == 1 and "data error: data_mixture" in changed.stderr and "new_mixture_segment" in changed.stderr
 
 
-@pytest.mark.slow  # CI runs 1 -> 3 processes (the matrix changes world sizes between 1 and 2 in CI)
-@pytest.mark.parametrize(("before", "after"), [(2, 1), pytest.param(1, 3, marks=pytest.mark.ci)])
+@pytest.mark.slow  # the matrix changes a mixture's world size between 1 and 2 in CI
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 3)])
 def test_a_mixture_continues_its_order_on_another_world_size(before, after, tiny_data, small_data, tmp_path):
     """N steps on one world size, N more on another: the samples are those of one process's uninterrupted order."""
     straight, changed = tmp_path / "straight", tmp_path / "changed"

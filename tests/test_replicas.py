@@ -33,7 +33,7 @@ from infra.replicas.quorum import Layout, Members, digest, misfit, torchft_id
 from infra.replicas.trainer import GlobalBatches, share
 from infra.testing import FAULTS_ENV
 from infra.trainer import TrainingArguments
-from tests.conftest import REPO, free_port, launch, launch_command
+from tests.conftest import REPO, free_port, launch, launch_command, tracking_uri
 from tests.hosts import Hosts
 from tests.test_pretrain import recipe_args
 
@@ -246,7 +246,7 @@ class Groups:
         self.config, self.processes = config, processes
         self.env = {
             **os.environ,
-            "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}",
+            "MLFLOW_TRACKING_URI": tracking_uri(tmp),  # the store made once, not by three at once
             "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": "1",  # four processes on the runner's cores
             FSDP_ON_CPU_ENV: "1",  # FSDP2 over gloo (accelerate runs FSDP on accelerators only)
@@ -254,9 +254,6 @@ class Groups:
             # (~10-15 s each) and heals land before step 320
             FAULTS_ENV: json.dumps({"rank": "all", "slow_seconds": slow_seconds}),
         }
-        import mlflow
-
-        mlflow.MlflowClient(self.env["MLFLOW_TRACKING_URI"]).search_experiments()  # the store made once, not by three at once
         self.lighthouse = hosts.popen(
             hosts.n - 1,
             [
