@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -62,25 +63,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-_EMPTY_STORE: list[Path] = []
+@functools.cache
+def empty_store() -> Path:
+    """One MLflow sqlite store with its schema and nothing in it, made once a session (removed at its end)."""
+    import atexit
+    import tempfile
+
+    import mlflow
+
+    folder = Path(tempfile.mkdtemp(prefix="infra-tests-mlflow-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    store = folder / "mlflow.db"
+    mlflow.MlflowClient(f"sqlite:///{store}").search_experiments()
+    return store
 
 
 def tracking_uri(folder: Path) -> str:
-    """The MLflow store of a test's launches, `folder/mlflow.db`: a copy of one empty store made once a session, unless
-    the folder has its store already. A new sqlite store runs MLflow's schema migrations, 3 to 10 s of a core, which
-    each launched test would otherwise pay; the copy is the same database."""
+    """The MLflow store of a test's launches, `folder/mlflow.db`: a copy of the empty store unless the folder has its
+    store already. A new sqlite store runs MLflow's schema migrations, 3 to 10 s of a core, which each launched test
+    would otherwise pay; the copy is the same database."""
     store = folder / "mlflow.db"
     if not store.exists():
-        if not _EMPTY_STORE:
-            import tempfile
-
-            import mlflow
-
-            empty = Path(tempfile.mkdtemp(prefix="infra-tests-mlflow-")) / "mlflow.db"
-            mlflow.MlflowClient(f"sqlite:///{empty}").search_experiments()
-            _EMPTY_STORE.append(empty)
         folder.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(_EMPTY_STORE[0], store)
+        shutil.copyfile(empty_store(), store)
     return f"sqlite:///{store}"
 
 
