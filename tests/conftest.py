@@ -23,6 +23,17 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
+DEADLINE_ENV = "INFRA_TEST_DEADLINE"  # seconds since the epoch (.ci/run sets it): no slow or matrix test starts after it
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Past the deadline a slow or matrix test is skipped, saying so; the quick suite (`make test`) always runs whole.
+    CI holds every CPU kind to one time limit, and the slowest 2-core kind it meets takes about twice as long."""
+    deadline = os.environ.get(DEADLINE_ENV)
+    if deadline and time.time() > float(deadline) and ({"slow", "matrix"} & {m.name for m in item.iter_markers()}):
+        pytest.skip(f"not started: {DEADLINE_ENV} has passed (CI's time on this CPU is spent): make test-slow or test-matrix runs it")
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """~300 KB of the standard library, a 512-token BPE, 64-token samples."""
