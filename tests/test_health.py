@@ -84,7 +84,9 @@ def test_a_slow_rank_is_named_then_the_job_saves_and_exits_with_its_code(small_d
     out = tmp_path / "out"
     args = recipe_args(small_data, out, 12, "--straggler_window_steps", "2", "--straggler_patience", "2")
     args += ["--straggler_factor", "1.5", "--straggler_action", "checkpoint_and_exit"]
-    proc = run(args, tmp_path, {"rank": 1, "slow_seconds": 0.3}, launcher=(sys.executable, "-m", "infra.launch"))
+    # 0.6 s more a micro-batch: the window ratio stays above 1.5 while a micro-batch computes in up to 1.2 s (the bf16
+    # of an AVX2-only CPU is emulated)
+    proc = run(args, tmp_path, {"rank": 1, "slow_seconds": 0.6}, launcher=(sys.executable, "-m", "infra.launch"))
     assert proc.returncode == STRAGGLER_EXIT_CODE  # infra.launch exits with the ranks' code (accelerate launch: 1)
     last = f"launch: rank 0 exited with code {STRAGGLER_EXIT_CODE}, rank 1 exited with code {STRAGGLER_EXIT_CODE}"
     assert proc.stderr.strip().splitlines()[-1] == last and "Traceback" not in proc.stderr
