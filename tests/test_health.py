@@ -85,11 +85,10 @@ def test_a_slow_rank_is_named_then_the_job_saves_and_exits_with_its_code(small_d
     out = tmp_path / "out"
     args = recipe_args(small_data, out, 12, "--straggler_window_steps", "2", "--straggler_patience", "2")
     args += ["--straggler_factor", "1.5", "--straggler_action", "checkpoint_and_exit"]
-    # 0.6 s more a micro-batch: the window ratio stays above 1.5 while a micro-batch computes in up to 1.2 s
-    proc = run(args, tmp_path, {"rank": 1, "slow_seconds": 0.6}, launcher=(sys.executable, "-m", "infra.launch"))
+    proc = run(args, tmp_path, {"rank": 1, "slow_seconds": 0.3}, launcher=(sys.executable, "-m", "infra.launch"))
     assert proc.returncode == STRAGGLER_EXIT_CODE  # infra.launch exits with the ranks' code (accelerate launch: 1)
-    # rank 0 may still be ending its MLflow run when rank 1 has exited: torch elastic's agent then stops it (143, seen
-    # once in three CI runs on an AVX2 EPYC); the job's code is the agreed one either way, and the save came before
+    # rank 0 was once stopped (143) after rank 1 had exited 75, in one of three CI runs on an AVX2 EPYC; not reproduced
+    # (a 3 s pause of rank 0 before its exit still gave 75): the job's code, the save and the record are exact either way
     last = rf"launch: rank 0 exited with code ({STRAGGLER_EXIT_CODE}|143), rank 1 exited with code {STRAGGLER_EXIT_CODE}"
     assert re.fullmatch(last, proc.stderr.strip().splitlines()[-1]) and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "straggler: rank 1 on" in proc.stdout and "for 2 windows of 2 steps" in proc.stdout and "): compute" in proc.stdout
