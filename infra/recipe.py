@@ -18,6 +18,7 @@ import ctypes
 import faulthandler
 import os
 import re
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -191,6 +192,11 @@ def run_recipe(main: Callable[[], int | None]) -> NoReturn:
     which turned a finished job into a failed one. So the process exits as Python would (threading's
     exit hooks, other threads joined, atexit handlers run, streams flushed) and then skips the C++ teardown. A bug's
     exception propagates and exits the usual way, with its traceback.
+
+    Once main() has returned, the exit code is decided: a SIGTERM or SIGUSR1 from then on ends the process with that
+    code at once. Torch elastic's agent stops every rank still running as soon as one exits nonzero, so at an agreed
+    exit (75 for a straggler) the rank still in its exit handlers (the main process, whose MLflow client joins its
+    threads) was stopped by it and reported as killed (143) instead of with the code every rank agreed on.
     """
     try:
         with run_status():
@@ -202,13 +208,21 @@ def run_recipe(main: Callable[[], int | None]) -> NoReturn:
         code = exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 1
         if not isinstance(exit_.code, int | None):
             print(exit_.code, file=sys.stderr)
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, lambda *_: leave(code))
     # Python's own first step of shutting down: the threading exit hooks (concurrent.futures wakes its idle workers, those
     # torch.compile's thread pool left waiting, so they end), then every other non-daemon thread joined. Joining them
     # without the hooks hung a compiled run at exit.
     threading._shutdown()
     atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    leave(code)
+
+
+def leave(code: int) -> NoReturn:
+    """Exit with `code` now, the streams flushed, without the interpreter's teardown."""
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
     with contextlib.suppress(Exception):
         ctypes.CDLL(None).fflush(None)  # C stdio buffers of native libraries
     os._exit(code)
