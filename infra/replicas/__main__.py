@@ -21,6 +21,12 @@ import sys
 import threading
 from pathlib import Path
 
+# The lighthouse counts a quorum's wait for late groups from the first group waiting, and a group left out of a quorum
+# waits from that quorum on: a window shorter than a step lets the next quorum form as soon as one other group
+# arrives, which leaves the last one out, and so on at every step (one group healing at every step, for good). A dead,
+# frozen or cut-off group stops heartbeating, so heartbeat_timeout_ms, not this, bounds the wait for it.
+JOIN_TIMEOUT_MS = 60_000
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m infra.replicas", description=__doc__.split("\n\n")[0])
@@ -29,7 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     light.add_argument("--port", type=int, default=29510, help="port to listen on, every address (default 29510)")
     light.add_argument("--min_replicas", type=int, default=1, help="replica groups a quorum needs (default 1)")
     light.add_argument(
-        "--join_timeout_ms", type=int, default=1000, help="how long a quorum waits for groups that are alive but late (default 1000)"
+        "--join_timeout_ms",
+        type=int,
+        default=JOIN_TIMEOUT_MS,
+        help=f"how long a quorum waits for groups alive (heartbeating) but late; above the longest step (default {JOIN_TIMEOUT_MS})",
     )
     light.add_argument(
         "--heartbeat_timeout_ms", type=int, default=3000, help="silence after which a group is taken for dead (default 3000)"
