@@ -231,7 +231,7 @@ def left_out_then_back(join_ms: int | None) -> list[list[str]]:
     from torchft._torchft import LighthouseClient
 
     port = free_port()
-    cmd = [sys.executable, "-m", "infra.replicas", "lighthouse", "--port", str(port), "--heartbeat_timeout_ms", "500"]
+    cmd = [sys.executable, "-m", "infra.replicas", "lighthouse", "--port", str(port), "--heartbeat_timeout_ms", "1000"]
     cmd += ["--join_timeout_ms", str(join_ms)] if join_ms else []
     lighthouse = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
     live, stop, got = {"A", "B", "C"}, threading.Event(), {}
