@@ -5,13 +5,20 @@
         hosts.kill(1)                     # SIGKILL to every process of host 1: a host lost
         hosts.link(1, up=False)           # host 1's interface down, its processes alive: a dead link
 
+    with Hosts(4, cpus=0.6) as hosts:     # each host also held to 0.6 of a core (a CPU cgroup of its own)
+
 Each host is a network namespace with its own loopback and one interface (`eth0`) on a bridge in a switch namespace
 of its own, so nothing is added to the machine's own network. Its address comes from 10.231.0.0/24, used only inside
 these namespaces. A process started on a host gets its own UTS namespace with the host's name as its hostname, and
 `/etc/hosts` names every host (`ip netns exec` shows `/etc/netns/NS/hosts` as `/etc/hosts`): torch elastic's c10d
 rendezvous decides by hostname which host serves its store. gloo is bound to `eth0` through `GLOO_SOCKET_IFNAME`.
 
-Every namespace, process and file made is removed on leaving, on every exit path; namespaces left by a test process
+With `cpus`, each host also gets a CPU cgroup of its own with that many cores' worth of time (a CFS quota; cgroup v1's
+`cpu` controller or v2's `cpu.max`), which every process started on it joins: a host's speed then no longer depends on
+whether the other hosts are busy, as on separate machines. Without it the hosts share the machine's cores, and a host
+that dies leaves its cores to the others.
+
+Every namespace, process, cgroup and file made is removed on leaving, on every exit path; namespaces left by a test process
 that was killed are removed by the next `Hosts` (their names carry the creating pid). Root is needed: `Hosts.unavailable()`
 says why not, for a skip.
 """
@@ -29,6 +36,9 @@ from pathlib import Path
 SUBNET = "10.231.0"  # a /24 used only inside the namespaces made here
 PREFIX = "infrahost"
 INTERFACE = "eth0"
+CGROUP_V1 = Path("/sys/fs/cgroup/cpu")  # the cpu controller's hierarchy under cgroup v1
+CGROUP_V2 = Path("/sys/fs/cgroup")  # the unified hierarchy, when it is mounted there
+PERIOD_US = 100_000
 
 
 def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -49,18 +59,23 @@ def _alive(pid: int) -> bool:
 class Hosts:
     """`n` hosts named h0..h{n-1} at SUBNET.10, .11, ...; a context manager."""
 
-    def __init__(self, n: int):
-        self.n = n
+    def __init__(self, n: int, cpus: float | None = None):
+        if cpus is not None and not 0.01 <= cpus <= (os.cpu_count() or 1):
+            raise ValueError(f"cpus={cpus} is not accepted: give a number of cores between 0.01 and {os.cpu_count()}")
+        self.n, self.cpus = n, cpus
         self.tag = f"{PREFIX}{os.getpid()}"
         self.switch = f"{self.tag}sw"
         self.namespaces = [f"{self.tag}h{i}" for i in range(n)]
         self.names = [f"h{i}" for i in range(n)]
         self.addresses = [f"{SUBNET}.{10 + i}" for i in range(n)]
         self.procs: list[subprocess.Popen] = []
+        self.cgroups = [cgroup_root() / ns for ns in self.namespaces] if cpus is not None else []
 
     @staticmethod
-    def unavailable() -> str | None:
-        """Why hosts cannot be made here (None if they can)."""
+    def unavailable(cpus: bool = False) -> str | None:
+        """Why hosts (with `cpus`: hosts with CPU shares of their own) cannot be made here (None if they can)."""
+        if cpus and not os.access(cgroup_root(), os.W_OK):
+            return f"hosts with CPU shares need a writable cgroup cpu controller at {cgroup_root()}"
         if os.geteuid() != 0:
             return "network namespaces need root"
         if not shutil.which("ip") or not shutil.which("unshare"):
@@ -103,6 +118,16 @@ class Hosts:
             _ip("link", "set", "lo", "up", ns=ns)
             _ip("addr", "add", f"{self.addresses[i]}/24", "dev", INTERFACE, ns=ns)
             _ip("link", "set", INTERFACE, "up", ns=ns)
+        for cgroup in self.cgroups:
+            cgroup.mkdir()
+            quota = str(round(self.cpus * PERIOD_US))
+            if cgroup_root() == CGROUP_V1:
+                (cgroup / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+                (cgroup / "cpu.cfs_quota_us").write_text(quota)
+            else:  # the cpu controller must be on for the root's children (it is where systemd runs)
+                with contextlib.suppress(OSError):
+                    (CGROUP_V2 / "cgroup.subtree_control").write_text("+cpu")
+                (cgroup / "cpu.max").write_text(f"{quota} {PERIOD_US}")
 
     def remove(self) -> None:
         """Every process on the hosts killed, then the namespaces and their files deleted."""
@@ -115,16 +140,21 @@ class Hosts:
         for ns in [*self.namespaces, self.switch]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
             shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+        for cgroup in self.cgroups:
+            remove_cgroup(cgroup)
 
     # -- what a test does to the hosts -------------------------------------------------------------------------------
 
     def popen(self, host: int, cmd: list[str], env: dict[str, str], log: Path, cwd: Path | None = None) -> subprocess.Popen:
-        """`cmd` started on `host` (its hostname, its network, gloo bound to its interface), output to `log`."""
+        """`cmd` started on `host` (its hostname, its network, its CPU share, gloo bound to its interface), output to
+        `log`."""
         env = {**env, "GLOO_SOCKET_IFNAME": INTERFACE, "TP_SOCKET_IFNAME": INTERFACE}
         wrapped = [
             "ip", "netns", "exec", self.namespaces[host],
             "unshare", "--uts", "sh", "-c", f'hostname {self.names[host]} && exec "$@"', "sh", *cmd,
         ]  # fmt: skip
+        if self.cgroups:  # joined first: `ip netns exec` mounts a sysfs of the namespace's own, without the cgroups
+            wrapped = ["sh", "-c", f'echo $$ > {self.cgroups[host] / "cgroup.procs"} && exec "$@"', "sh", *wrapped]
         with open(log, "w") as out:
             proc = subprocess.Popen(wrapped, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append(proc)
@@ -154,8 +184,26 @@ class Hosts:
         return True
 
 
+def cgroup_root() -> Path:
+    """Where hosts' CPU cgroups are made: the v1 cpu controller's hierarchy, else the unified (v2) one."""
+    return CGROUP_V1 if (CGROUP_V1 / "cgroup.procs").exists() else CGROUP_V2
+
+
+def remove_cgroup(cgroup: Path) -> None:
+    """`cgroup` removed once the processes in it have ended (killed already: their exit takes a moment)."""
+    end = time.monotonic() + 10
+    while cgroup.exists():
+        try:
+            cgroup.rmdir()
+        except OSError:
+            if time.monotonic() > end:
+                return
+            time.sleep(0.1)
+
+
 def sweep_stale() -> None:
-    """Remove the namespaces of earlier `Hosts` whose test process is gone (killed before it could clean up)."""
+    """Remove the namespaces (and CPU cgroups) of earlier `Hosts` whose test process is gone (killed before it could
+    clean up)."""
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     for line in listed.splitlines():
         name = line.split()[0] if line.strip() else ""
@@ -168,3 +216,4 @@ def sweep_stale() -> None:
                     os.kill(int(pid), signal.SIGKILL)
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
             shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
+            remove_cgroup(cgroup_root() / name)

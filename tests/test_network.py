@@ -96,6 +96,26 @@ class Job:
             assert proc.wait(timeout=timeout) == 0, self.log(h)[-4000:]
 
 
+@pytest.mark.skipif(bool(Hosts.unavailable(cpus=True)), reason=str(Hosts.unavailable(cpus=True)))
+def test_a_host_with_a_cpu_share_holds_its_processes_to_it_and_leaves_nothing(tmp_path):
+    """What the chaos benchmark of replica groups stands on: every process started on a host runs in that host's CPU
+    cgroup, a busy one is throttled at the host's share, and the cgroups go with the hosts."""
+    busy = "import time; end = time.process_time() + 0.5\nwhile time.process_time() < end: pass"
+    with Hosts(2, cpus=0.1) as hosts:
+        cgroup = hosts.cgroups[1]
+        sleeper = hosts.popen(1, ["sleep", "30"], dict(os.environ), tmp_path / "sleep.log")
+        spinner = hosts.popen(1, [sys.executable, "-c", busy], dict(os.environ), tmp_path / "busy.log")
+        assert spinner.wait(timeout=60) == 0, (tmp_path / "busy.log").read_text()
+        members = {int(p) for p in (cgroup / "cgroup.procs").read_text().split()}
+        assert sleeper.pid in {psutil.Process(p).ppid() for p in members} | members
+        assert not set(members) & {int(p) for p in (hosts.cgroups[0] / "cgroup.procs").read_text().split()}
+        stat = dict(line.split() for line in (cgroup / "cpu.stat").read_text().splitlines())
+        assert int(stat["nr_throttled"]) > 0, stat  # 0.5 s of a core at 0.01 s per 0.1 s: throttled, or no share
+    assert not any(c.exists() for c in hosts.cgroups)
+    with pytest.raises(ValueError, match="cpus=0 is not accepted"):
+        Hosts(2, cpus=0)
+
+
 def newest(out: Path) -> int:
     return max(read_manifest(p)["step"] for p in (out / "checkpoints").glob("step_*") if (p / "manifest.json").exists())
 
