@@ -136,6 +136,7 @@ FROZEN_SURFACE = {
         "replica_group_id": "",
         "lighthouse": "",
         "min_replicas": 1,
+        "training_replicas": 0,
         "replica_timeout_seconds": 30.0,
         "quorum_timeout_seconds": 120.0,
         "logging_steps": 10,

@@ -29,8 +29,8 @@ from safetensors.torch import load_file
 from infra.data import DataCursor, ResumableLoader
 from infra.distributed import FSDP_ON_CPU_ENV, LaunchError
 from infra.replicas import launch_problem
-from infra.replicas.quorum import Layout, Members, digest, misfit, torchft_id
-from infra.replicas.trainer import GlobalBatches, share
+from infra.replicas.quorum import Layout, Members, Seat, digest, misfit, torchft_id
+from infra.replicas.trainer import GlobalBatches, process_share, share
 from infra.testing import FAULTS_ENV
 from infra.trainer import TrainingArguments
 from tests.conftest import REPO, free_port, launch, launch_command, tracking_uri
@@ -80,6 +80,21 @@ def test_any_quorum_splits_a_step_into_every_sample_once_and_as_many_micro_batch
             assert np.array_equal(np.concatenate([np.concatenate(p) for p in parts]), ids)  # in order, each once
             assert len({len(p) for p in parts}) == 1  # DDP inside a group syncs on the same (last) micro-batch
             assert all(len(m) <= micro for p in parts for m in p) and all(len(p[-1]) for p in parts)
+
+
+@pytest.mark.parametrize("limit", [0, 1, 2, 3])
+def test_the_training_groups_split_the_step_and_hot_spares_get_nothing_at_every_size_of_quorum(limit):
+    """training_replicas=limit: the first `limit` groups of a quorum (every one: 0) split the whole step, each sample
+    once, and the others (hot spares) read nothing; a quorum that lost a training group takes a spare in its place."""
+    ids, processes = np.arange(200, 224), 2
+    for size in range(1, 5):
+        seat = Seat(rank=0, size=size, id=0, healed_from=None, seconds=0.0)
+        training = seat.training(limit)
+        assert training == (min(size, limit) if limit else size)
+        parts = {(rank, p): process_share(ids, rank, training, p, processes, 4) for rank in range(size) for p in range(processes)}
+        read = [m for (rank, _), micro in sorted(parts.items()) if rank < training for m in micro]
+        assert np.array_equal(np.concatenate(read), ids)  # in order, each once
+        assert all(parts[rank, p] == [] for rank in range(training, size) for p in range(processes))
 
 
 def test_the_steps_global_batches_are_those_of_the_plain_loader_across_epochs():
@@ -308,9 +323,18 @@ def plain(small_data, tmp_path_factory) -> Path:
 class Groups:
     """The lighthouse on the last host and a replica group on each other one; each start of a group logs on its own."""
 
-    def __init__(self, hosts: Hosts, data: Path, tmp: Path, slow_seconds: float, config: str = "cpu.yaml", processes: int = 1):
+    def __init__(
+        self,
+        hosts: Hosts,
+        data: Path,
+        tmp: Path,
+        slow_seconds: float,
+        config: str = "cpu.yaml",
+        processes: int = 1,
+        extra: tuple[str, ...] = (),
+    ):
         self.hosts, self.data, self.tmp, self.out = hosts, data, tmp, tmp / "out"
-        self.config, self.processes = config, processes
+        self.config, self.processes, self.extra = config, processes, extra
         self.env = {
             **os.environ,
             "MLFLOW_TRACKING_URI": tracking_uri(tmp),  # the store made once, not by three at once
@@ -349,6 +373,7 @@ class Groups:
         args = recipe_args(self.data, self.out, STEPS, *COMMON, "--per_device_train_batch_size", micro_batch)
         args += ["--fault_tolerance", "replicas", "--replica_group_id", str(group)]
         args += ["--lighthouse", f"http://{self.hosts.addresses[-1]}:{LIGHTHOUSE_PORT}", "--replica_timeout_seconds", str(REPLICA_TIMEOUT)]
+        args += self.extra
         if self.processes == 1:
             cmd = [sys.executable, str(REPO / "recipes" / "pretrain_clm.py"), *args]
         else:  # each host has its own loopback: every group's launcher can take the same port
@@ -493,6 +518,61 @@ def test_replica_groups_train_on_through_kills_a_frozen_group_and_a_dead_link(ki
     # the survivors committed their next step within seconds of a kill; a frozen or cut-off group was left out in the bound
     assert max(took["kill"]) < 10, took
     assert max(took["frozen and cut off"]) < DROP_BOUND, took
+
+
+@pytest.mark.slow  # 1-2 min: CI runs it after the matrix (make test-ci-slow)
+@pytest.mark.ci
+@pytest.mark.multiprocess
+@pytest.mark.skipif(bool(Hosts.unavailable()), reason=str(Hosts.unavailable()))
+def test_a_hot_spare_takes_a_lost_groups_share_at_the_next_step_with_no_heal(plain, small_data, tmp_path):
+    """training_replicas=2 with three groups: groups 0 and 1 train, group 2 is a hot spare (it sums nothing of its own
+    and steps with them). Group 0 killed: group 2 trains in its place from the next step, without a heal; group 0
+    started again heals and becomes the spare. Every step trained on the plain run's global batch, and the weights are
+    that run's up to the order of the sums: a spare that added a share, or took none, would change both."""
+    with Hosts(4) as hosts:
+        groups = Groups(hosts, small_data, tmp_path, 0.08, extra=("--training_replicas", "2"))
+        groups.wait_step(10)
+        assert all("3 groups live" in groups.text(g) and "(the first 2; the others hot spares)" in groups.text(g) for g in range(3))
+        mark = groups.marks()
+        hosts.kill(0)
+        killed = time.monotonic()
+        groups.wait_line([1, 2], r"2 groups live \(were 3\) from step \d+, 0 of them hot spares", mark, 30)
+        took = time.monotonic() - killed
+        assert hosts.wait_quiet(0, 10)
+        groups.procs[0] = groups.start(0)
+        groups.wait_line([0], r"healed from a live group to step (\d+)", {}, 90)
+        groups.wait_line([1, 2], r"3 groups live \(were 2\) from step \d+, 1 of them hot spare\b", mark, 60)
+        for g, proc in groups.procs.items():
+            assert proc.wait(timeout=300) == 0, groups.text(g)[-3000:]
+        logs = {g: "".join(p.read_text() for p in paths) for g, paths in groups.logs.items()}
+    steps = traced_steps(tmp_path / "out")
+    assert list(steps) == list(range(1, STEPS + 1))
+    assert {step: sorted(ids) for step, ids in steps.items()} == plain_steps(plain)
+    ours, theirs = load_file(tmp_path / "out" / "final" / "model.safetensors"), load_file(plain / "final" / "model.safetensors")
+    differences = {name: float((ours[name] - theirs[name]).abs().max()) for name in theirs}
+    assert max(differences.values()) < TOLERANCE, differences
+    finals = set(re.findall(r"final state of step \d+ \(xxh3 (\w+)\)", "".join(logs.values())))
+    assert len(finals) == 1 and sum(text.count("final state") for text in logs.values()) == 3, finals
+    assert "healed" not in logs[1] + logs[2]  # the spare took its share as it was: in step with the others
+    assert took < 10, took
+    # each group's own samples of each step it committed (MLflow's ft/samples): the spare none while both others
+    # trained, half the step in group 0's place, none again once group 0 was back (it is first in the quorum's order)
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri(tmp_path))
+    runs = client.search_runs([client.get_experiment_by_name("pretrain_clm").experiment_id])
+    own = {
+        int(run.data.params["TrainingArguments.replica_group_id"]): {
+            m.step: m.value for m in client.get_metric_history(run.info.run_id, "ft/samples")
+        }
+        for run in runs
+    }
+    assert sorted(own) == [0, 1, 2]
+    assert all(sum(own[g].get(step, 0) for g in own) == GLOBAL_BATCH for step in range(1, STEPS + 1))
+    assert set(own[1].values()) == {GLOBAL_BATCH / 2}
+    away = [step for step in range(1, STEPS + 1) if step not in own[0]]
+    assert away and all(own[2][step] == GLOBAL_BATCH / 2 for step in away)
+    assert all(own[2][step] == 0 for step in own[2] if step in own[0])
 
 
 ANOTHER_PROCESS_COUNT = (

@@ -53,6 +53,14 @@ class ReplicaConfig:
         metadata={"help": "The lighthouse's address, http://HOST:PORT (python -m infra.replicas lighthouse); default: $TORCHFT_LIGHTHOUSE"},
     )
     min_replicas: int = field(default=1, metadata={"help": "Replica groups a step needs to commit (more: the step waits)."})
+    training_replicas: int = field(
+        default=0,
+        metadata={
+            "help": "Replica groups that train at each step (0: every live group). The other live groups are hot spares: "
+            "they take part in every step's sums with nothing of their own and step with the others, so a spare takes a "
+            "lost group's share of the global batch at the next step, with no heal and no step slower than before."
+        },
+    )
     replica_timeout_seconds: float = field(
         default=30.0,
         metadata={
@@ -75,6 +83,7 @@ class ReplicaConfig:
         url = re.fullmatch(r"https?://[^/:]+:\d+/?", self.lighthouse)
         require(bool(url), "lighthouse", self.lighthouse, "http://HOST:PORT (or set $TORCHFT_LIGHTHOUSE)")
         require(self.min_replicas >= 1, "min_replicas", self.min_replicas, "an integer >= 1")
+        require(self.training_replicas >= 0, "training_replicas", self.training_replicas, "an integer >= 0 (0: every live group)")
         require(self.replica_timeout_seconds > 0, "replica_timeout_seconds", self.replica_timeout_seconds, "a number > 0")
         require(self.quorum_timeout_seconds > 0, "quorum_timeout_seconds", self.quorum_timeout_seconds, "a number > 0")
 

@@ -42,6 +42,10 @@ class Seat:
     healed_from: int | None  # the step this group healed to, when it did at this quorum
     seconds: float  # the quorum's wait, a heal included
 
+    def training(self, limit: int) -> int:
+        """The groups of this quorum that train: the first `limit` by rank (0: every one); the others are hot spares."""
+        return min(self.size, limit) if limit else self.size
+
 
 class Part(NamedTuple):
     """A sharded tensor (FSDP2's DTensor) as a healing group receives it: the sending process's own part. Process k of

@@ -70,6 +70,15 @@ def share(ids: np.ndarray, slot: int, slots: int, micro_batch: int) -> list[np.n
     return np.split(part, np.cumsum(sizes)[:-1])
 
 
+def process_share(ids: np.ndarray, rank: int, training: int, process: int, processes: int, micro_batch: int) -> list[np.ndarray]:
+    """Process `process` (of `processes` in its group)'s micro-batches of a step, in the group of rank `rank` in the
+    quorum, of which the first `training` groups train. None for a hot spare (ranked past them): it adds nothing to the
+    sums and steps with the others, so it can take a lost group's share at the next step."""
+    if rank >= training:
+        return []
+    return share(ids, rank * processes + process, training * processes, micro_batch)
+
+
 class ReplicaTrainer(Trainer):
     def __init__(self, accelerator, args, data_args, config, job, hooks=None):
         super().__init__(accelerator, args, data_args, config, job, hooks)
@@ -81,7 +90,7 @@ class ReplicaTrainer(Trainer):
         self.redone = 0  # steps that did not commit and were done again
         self.short = False  # the last quorum had fewer than min_replicas groups
         self.live, self.quorum_id = 0, -1  # the quorum of the last committed step: its groups, its number
-        self.costs: dict[str, float] = {}  # seconds of the last step's sum across groups and commit
+        self.costs: dict[str, float] = {}  # the last step's: seconds of its sum across groups and commit, this process's samples
         self.heals: list[tuple[int, float]] = []  # (step healed to, seconds), to log
         # Inside a step a rank may wait on the other groups for up to replica_timeout_seconds (a sum, the commit), and
         # torchft can keep its stamp thread from running meanwhile: the group's own watchdog allows for that before it
@@ -146,7 +155,8 @@ class ReplicaTrainer(Trainer):
         return (
             f"replica group {args.replica_group_id}: {acc.num_processes} process{'es' if acc.num_processes > 1 else ''} "
             f"({acc.distributed_type.value}), {seat.size} group{'s' if seat.size > 1 else ''} live, {where}, "
-            f"{args.global_batch_size} samples per step split among the live groups, {self.cursor}"
+            f"{args.global_batch_size} samples per step split among the live groups"
+            f"{f' (the first {args.training_replicas}; the others hot spares)' if args.training_replicas else ''}, {self.cursor}"
         )
 
     def step(self) -> StepResult:
@@ -182,8 +192,9 @@ class ReplicaTrainer(Trainer):
         self.goodput.first_step()
         self.watchdog.entering("data")
         ids = self.global_batches.ids(self.cursor)
-        slot, slots = seat.rank * acc.num_processes + acc.process_index, seat.size * acc.num_processes
-        parts = share(ids, slot, slots, args.per_device_train_batch_size)
+        training = seat.training(args.training_replicas)
+        parts = process_share(ids, seat.rank, training, acc.process_index, acc.num_processes, args.per_device_train_batch_size)
+        self.costs["ft/samples"] = sum(len(part) for part in parts)  # this process's share (a hot spare: none)
         batches = [self.read(p) if len(p) else None for p in parts]
         self.watchdog.entering("the item count's all-reduce (across replica groups)")
         items = self.count_items([b for b in batches if b is not None])
@@ -249,10 +260,12 @@ class ReplicaTrainer(Trainer):
 
     def log_quorum(self, seat: Seat) -> None:
         """The quorum of a committed step: its size at every step, a change and a heal said in a line."""
-        metrics = {"ft/replicas": seat.size, "ft/quorum_seconds": seat.seconds, **self.costs}
+        spares = seat.size - seat.training(self.args.training_replicas)
+        metrics = {"ft/replicas": seat.size, "ft/spares": spares, "ft/quorum_seconds": seat.seconds, **self.costs}
         if seat.id != self.quorum_id:  # another group left or joined (the same number of groups, maybe)
             if self.live:
-                self.say(f"{seat.size} group{'s' if seat.size > 1 else ''} live (were {self.live}) from step {self.state.step}")
+                live = f"{seat.size} group{'s' if seat.size > 1 else ''} live (were {self.live}) from step {self.state.step}"
+                self.say(live + (f", {spares} of them hot spare{'s' if spares != 1 else ''}" if self.args.training_replicas else ""))
             self.live, self.quorum_id = seat.size, seat.id
         for step, seconds in self.heals:
             self.group.tell(f"healed from a live group to step {step} in {seconds:.1f}s (xxh3 {self.group.loaded_digest})")
