@@ -1,10 +1,16 @@
 """Chaos for replica groups (fault_tolerance=replicas): three groups under a fault every few minutes, and the job's
 effective training time ratio, next to `benchmarks/chaos.py`'s for a job that stops at every fault.
 
-    python benchmarks/chaos_replicas.py --minutes 8 --fault_minutes 2      # root: network namespaces
+    python benchmarks/chaos_replicas.py --minutes 8 --fault_minutes 2      # root: network namespaces, CPU cgroups
+    python benchmarks/chaos_replicas.py --spares 1                          # three groups train, a fourth hot spare
 
 Four hosts made of network namespaces (tests/hosts.py): the lighthouse, and three replica groups of one process each,
-the default pretraining on the default data (`make data`), 8 samples per group per step. Faults arrive at random
+the default pretraining on the default data (`make data`), 24 samples per step (8 per group). With `--spares N`, N more
+groups start as hot spares (`training_replicas: 3`): they step with the others and take a lost group's share at once.
+Each host is held to its own share of the cores (`--host_cpus`, a CPU cgroup; by default 90% of the machine split among
+the groups), as separate machines are: without it the groups share the machine's cores, a dead group's cores go to the
+live ones, and steps with a group missing ran faster than fault-free ones (an ETTR above 1), where on separate machines
+they run slower (the same global batch on fewer groups). Faults arrive at random
 (exponential gaps of mean `fault_minutes`), each to a random live group, of a kind drawn at random: `kill` (its
 process killed), `link` (its interface down), `stop` (its process frozen with SIGSTOP). The scheduler acts once the
 others have left the group out: a killed or frozen group is killed and started again, a cut link put back; the group
@@ -35,13 +41,13 @@ sys.path.insert(0, str(REPO))
 from tests.hosts import Hosts  # noqa: E402
 
 KINDS = ("kill", "link", "stop")
-GROUPS = 3
+TRAINING = 3  # groups that train; with --spares, more start as hot spares
 PORT = 29510
 
 
 class Job:
-    def __init__(self, hosts: Hosts, work: Path, data: str, extra: list[str]):
-        self.hosts, self.work, self.data, self.extra = hosts, work, data, extra
+    def __init__(self, hosts: Hosts, work: Path, data: str, groups: int, extra: list[str]):
+        self.hosts, self.work, self.data, self.groups, self.extra = hosts, work, data, groups, extra
         self.out = work / "out"
         db = f"sqlite:///{work / 'mlflow.db'}"
         self.env = {**os.environ, "MLFLOW_TRACKING_URI": db, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
@@ -49,9 +55,9 @@ class Job:
 
         mlflow.MlflowClient(db).search_experiments()
         light = [sys.executable, "-m", "infra.replicas", "lighthouse", "--port", str(PORT), "--heartbeat_timeout_ms", "2000"]
-        hosts.popen(GROUPS, light, self.env, work / "lighthouse.log", cwd=REPO)
-        self.starts = {g: 0 for g in range(GROUPS)}
-        for g in range(GROUPS):
+        hosts.popen(groups, light, self.env, work / "lighthouse.log", cwd=REPO)
+        self.starts = {g: 0 for g in range(groups)}
+        for g in range(groups):
             self.start(g)
 
     def start(self, g: int) -> None:
@@ -63,8 +69,10 @@ class Job:
             str(REPO / "recipes" / "configs" / "pretrain_clm.yaml"),
         ]
         cmd += ["--data_dir", self.data, "--output_dir", str(self.out), "--max_steps", "1000000", "--eval_samples", "0"]
-        cmd += ["--global_batch_size", str(8 * GROUPS), "--fault_tolerance", "replicas", "--replica_group_id", str(g)]
-        cmd += ["--lighthouse", f"http://{self.hosts.addresses[GROUPS]}:{PORT}", "--replica_timeout_seconds", "5", "--trace_samples"]
+        cmd += ["--global_batch_size", str(8 * TRAINING), "--fault_tolerance", "replicas", "--replica_group_id", str(g)]
+        cmd += ["--lighthouse", f"http://{self.hosts.addresses[self.groups]}:{PORT}", "--replica_timeout_seconds", "5", "--trace_samples"]
+        if self.groups > TRAINING:
+            cmd += ["--training_replicas", str(TRAINING)]
         # checkpoints matter only when every group is lost: the planner gets the job's time between such losses (a
         # day, with a group lost every few minutes and back within seconds), not a group's
         cmd += ["--save_every_minutes", "auto", "--mtbf_hours", "24", *self.extra]
@@ -89,7 +97,7 @@ class Job:
         return best
 
     def live(self) -> list[int]:
-        return [g for g in range(GROUPS) if self.starts[g] == 1 or "healed from a live group" in self.text(g)]
+        return [g for g in range(self.groups) if self.starts[g] == 1 or "healed from a live group" in self.text(g)]
 
 
 def inject(hosts: Hosts, group: int, kind: str) -> None:
@@ -126,17 +134,21 @@ def main() -> None:
     parser.add_argument("--fault_minutes", type=float, default=2.0)
     parser.add_argument("--data_dir", default=str(REPO / "data" / "stdlib"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--spares", type=int, default=0, help=f"hot spare groups beside the {TRAINING} that train (training_replicas)")
+    parser.add_argument("--host_cpus", type=float, help="cores of each host's CPU share (default: 90%% of the machine's, split)")
     parser.add_argument("extra", nargs="*", help="More flags for the recipe.")
     a = parser.parse_args()
-    if why := Hosts.unavailable():
+    if why := Hosts.unavailable(cpus=True):
         raise SystemExit(f"chaos_replicas: {why}")
     rng = random.Random(a.seed)
+    groups = TRAINING + a.spares
+    a.host_cpus = a.host_cpus or round(0.9 * (os.cpu_count() or 1) / groups, 2)
     work = Path(tempfile.mkdtemp(prefix="chaos-replicas-"))
     commits: list[tuple[float, int]] = []
     faults: list[dict] = []
-    with Hosts(GROUPS + 1) as hosts:
+    with Hosts(groups + 1, cpus=a.host_cpus) as hosts:
         begin = time.time()
-        job = Job(hosts, work, a.data_dir, a.extra)
+        job = Job(hosts, work, a.data_dir, groups, a.extra)
         next_fault = begin + rng.expovariate(1 / (a.fault_minutes * 60))
         pending: dict | None = None
         while time.time() < begin + a.minutes * 60:
@@ -162,9 +174,9 @@ def main() -> None:
                 pending["healed"] = time.time()
                 faults.append(pending)
                 pending = None
-            if pending is None and now >= next_fault and len(job.live()) == GROUPS:
-                g, kind = rng.randrange(GROUPS), rng.choice(KINDS)
-                pending = {"kind": kind, "group": g, "at": now, "marks": {x: len(job.text(x)) for x in range(GROUPS)}}
+            if pending is None and now >= next_fault and len(job.live()) == groups:
+                g, kind = rng.randrange(groups), rng.choice(KINDS)
+                pending = {"kind": kind, "group": g, "at": now, "marks": {x: len(job.text(x)) for x in range(groups)}}
                 pending["mark_self"] = len(job.text(g))
                 inject(hosts, g, kind)
                 print(f"chaos: {now - begin:6.0f}s  step {step}  {kind} group {g}", flush=True)
@@ -176,8 +188,10 @@ def main() -> None:
     steps = commits[-1][1]
     from infra.precision import cpu_description
 
-    print(f"\nCPU: {cpu_description()}")
-    print(f"chaos (replica groups): {wall / 60:.1f} min, {len(faults)} faults recovered, {steps} steps at {step_seconds * 1000:.0f} ms")
+    print(f"\nCPU: {cpu_description()}; each host held to {a.host_cpus:g} of a core")
+    spares = f" and {a.spares} hot spare{'s' if a.spares > 1 else ''}" if a.spares else ""
+    print(f"chaos ({TRAINING} replica groups{spares}): {wall / 60:.1f} min, {len(faults)} faults recovered, ", end="")
+    print(f"{steps} steps at {step_seconds * 1000:.0f} ms")
     started = commits[1][0] - begin
     print(f"measured ETTR {steps * step_seconds / wall:.3f} (first step after {started:.0f}s of start-up)")
     print(
