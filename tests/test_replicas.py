@@ -633,12 +633,16 @@ def test_a_group_that_does_not_fit_is_refused_in_one_line_while_the_job_goes_on(
 
 @pytest.mark.slow  # minutes: out of the quick suite (make test-slow)
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("config", ["cpu.yaml", "fsdp.yaml"])
-def test_groups_of_two_processes_train_as_one_process_with_the_global_batch(config, small_data, tmp_path):
+@pytest.mark.parametrize(
+    ("config", "spare"), [("cpu.yaml", False), ("fsdp.yaml", False), ("cpu.yaml", True), ("fsdp.yaml", True)], ids=lambda v: str(v)
+)
+def test_groups_of_two_processes_train_as_one_process_with_the_global_batch(config, spare, small_data, tmp_path):
     """Two replica groups of two processes each (DDP or FSDP2 inside a group, micro-batches of 2 without the gradient
     sync until the last), fault-free on one machine: the weights of a plain one-process run with the same global
     batch, up to the order of the sums, and the same state in both groups, bit for bit. Both ask for min_replicas=2 of
-    a lighthouse that forms quorums of one: the first group waits for the second in one line, and commits nothing alone."""
+    a lighthouse that forms quorums of one: the first group waits for the second in one line, and commits nothing alone.
+    With `spare`, training_replicas=1: group 1 is a hot spare whose processes read nothing (ft/samples 0) and still end
+    with group 0's state."""
     steps, port, sharded = 12, free_port(), config == "fsdp.yaml"
     reference = plain_run(small_data, tmp_path / "plain", steps, config, 2 if sharded else 1)
     env = {"OMP_NUM_THREADS": "1", "RUST_LOG": "warn", FSDP_ON_CPU_ENV: "1"}
@@ -649,7 +653,8 @@ def test_groups_of_two_processes_train_as_one_process_with_the_global_batch(conf
         for group, path in enumerate(paths):
             args = recipe_args(small_data, tmp_path / "out", steps, *COMMON, "--per_device_train_batch_size", "2")
             args += ["--fault_tolerance", "replicas", "--replica_group_id", str(group), "--lighthouse", f"http://127.0.0.1:{port}"]
-            cmd, env_ = launch_command(config, [*args, "--min_replicas", "2"], tmp_path, num_processes=2, env=env)
+            args += ["--min_replicas", "2", *(("--training_replicas", "1") if spare else ())]
+            cmd, env_ = launch_command(config, args, tmp_path, num_processes=2, env=env)
             procs.append(subprocess.Popen(cmd, cwd=REPO, env=env_, stdout=path.open("w"), stderr=subprocess.STDOUT))
             end = time.monotonic() + 120
             while group == 0 and "waiting for more" not in path.read_text():
@@ -671,3 +676,11 @@ def test_groups_of_two_processes_train_as_one_process_with_the_global_batch(conf
     ours, theirs = load_file(tmp_path / "out" / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
     assert max(float((ours[name] - theirs[name]).abs().max()) for name in theirs) < TOLERANCE
     assert {step: sorted(ids) for step, ids in traced_steps(tmp_path / "out").items()} == plain_steps(reference)
+    if spare:  # each group's first process's share of each step: half of the step in group 0, none in the spare
+        import mlflow
+
+        client = mlflow.MlflowClient(tracking_uri(tmp_path))
+        runs = client.search_runs([client.get_experiment_by_name("pretrain_clm").experiment_id])
+        group = "TrainingArguments.replica_group_id"
+        own = {run.data.params[group]: {m.value for m in client.get_metric_history(run.info.run_id, "ft/samples")} for run in runs}
+        assert own == {"0": {GLOBAL_BATCH / 2}, "1": {0}}, own
