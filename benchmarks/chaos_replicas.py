@@ -142,7 +142,8 @@ def main() -> None:
         raise SystemExit(f"chaos_replicas: {why}")
     rng = random.Random(a.seed)
     groups = TRAINING + a.spares
-    a.host_cpus = a.host_cpus or round(0.9 * (os.cpu_count() or 1) / groups, 2)
+    if a.host_cpus is None:
+        a.host_cpus = round(0.9 * (os.cpu_count() or 1) / groups, 2)
     work = Path(tempfile.mkdtemp(prefix="chaos-replicas-"))
     commits: list[tuple[float, int]] = []
     faults: list[dict] = []

@@ -555,24 +555,25 @@ def test_a_hot_spare_takes_a_lost_groups_share_at_the_next_step_with_no_heal(pla
     assert len(finals) == 1 and sum(text.count("final state") for text in logs.values()) == 3, finals
     assert "healed" not in logs[1] + logs[2]  # the spare took its share as it was: in step with the others
     assert took < 10, took
-    # each group's own samples of each step it committed (MLflow's ft/samples): the spare none while both others
-    # trained, half the step in group 0's place, none again once group 0 was back (it is first in the quorum's order)
+    # each group's own samples of each step (MLflow's ft/samples), by the quorum group 1 saw (it ran to the end, so
+    # every point of it reached the store; the killed group's last ones may not have): the spare none while both others
+    # trained, half the step in group 0's place, none again once group 0 was back (first in the quorum's order)
+    own, live = group_metrics(tmp_path, "ft/samples"), group_metrics(tmp_path, "ft/replicas")["1"]
+    half = GLOBAL_BATCH / 2
+    away = [step for step, size in live.items() if size == 2]
+    assert sorted(own) == ["0", "1", "2"] and list(live) == list(range(1, STEPS + 1)) and set(live.values()) == {2, 3}
+    assert all(own["1"][step] == half and own["2"][step] == (half if step in away else 0) for step in live), own
+    assert away and set(own["0"].values()) == {half} and not set(own["0"]) & set(away)
+
+
+def group_metrics(tmp: Path, key: str) -> dict[str, dict[int, float]]:
+    """MLflow's `key` of each replica group's run ({group id: {step: value}}; a group started again goes on in its run)."""
     import mlflow
 
-    client = mlflow.MlflowClient(tracking_uri(tmp_path))
+    client = mlflow.MlflowClient(tracking_uri(tmp))
     runs = client.search_runs([client.get_experiment_by_name("pretrain_clm").experiment_id])
-    own = {
-        int(run.data.params["TrainingArguments.replica_group_id"]): {
-            m.step: m.value for m in client.get_metric_history(run.info.run_id, "ft/samples")
-        }
-        for run in runs
-    }
-    assert sorted(own) == [0, 1, 2]
-    assert all(sum(own[g].get(step, 0) for g in own) == GLOBAL_BATCH for step in range(1, STEPS + 1))
-    assert set(own[1].values()) == {GLOBAL_BATCH / 2}
-    away = [step for step in range(1, STEPS + 1) if step not in own[0]]
-    assert away and all(own[2][step] == GLOBAL_BATCH / 2 for step in away)
-    assert all(own[2][step] == 0 for step in own[2] if step in own[0])
+    group = "TrainingArguments.replica_group_id"
+    return {run.data.params[group]: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)} for run in runs}
 
 
 ANOTHER_PROCESS_COUNT = (
@@ -677,10 +678,5 @@ def test_groups_of_two_processes_train_as_one_process_with_the_global_batch(conf
     assert max(float((ours[name] - theirs[name]).abs().max()) for name in theirs) < TOLERANCE
     assert {step: sorted(ids) for step, ids in traced_steps(tmp_path / "out").items()} == plain_steps(reference)
     if spare:  # each group's first process's share of each step: half of the step in group 0, none in the spare
-        import mlflow
-
-        client = mlflow.MlflowClient(tracking_uri(tmp_path))
-        runs = client.search_runs([client.get_experiment_by_name("pretrain_clm").experiment_id])
-        group = "TrainingArguments.replica_group_id"
-        own = {run.data.params[group]: {m.value for m in client.get_metric_history(run.info.run_id, "ft/samples")} for run in runs}
+        own = {group: set(steps.values()) for group, steps in group_metrics(tmp_path, "ft/samples").items()}
         assert own == {"0": {GLOBAL_BATCH / 2}, "1": {0}}, own

@@ -72,8 +72,8 @@ def share(ids: np.ndarray, slot: int, slots: int, micro_batch: int) -> list[np.n
 
 def process_share(ids: np.ndarray, rank: int, training: int, process: int, processes: int, micro_batch: int) -> list[np.ndarray]:
     """Process `process` (of `processes` in its group)'s micro-batches of a step, in the group of rank `rank` in the
-    quorum, of which the first `training` groups train. None for a hot spare (ranked past them): it adds nothing to the
-    sums and steps with the others, so it can take a lost group's share at the next step."""
+    quorum, of which the first `training` groups train. Nothing for a hot spare (ranked past them): it adds nothing to
+    the sums and steps with the others, so it can take a lost group's share at the next step."""
     if rank >= training:
         return []
     return share(ids, rank * processes + process, training * processes, micro_batch)
