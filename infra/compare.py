@@ -12,18 +12,7 @@ from pathlib import Path
 
 from infra.tracking import tracking_uri
 
-COLUMNS = (
-    ("run", 28),
-    ("status", 9),
-    ("learning_rate", 13),
-    ("batch", 7),
-    ("steps", 7),
-    ("final loss", 10),
-    ("eval loss", 10),
-    ("throughput", 14),
-    ("ETTR", 5),
-    ("run id", 8),
-)
+COLUMNS = ("run", "status", "learning_rate", "batch", "steps", "final loss", "eval loss", "throughput", "ETTR", "run id")
 
 
 def _param(run, name: str) -> str:
@@ -55,8 +44,11 @@ def rows(client, runs, metric: str) -> list[tuple[str, ...]]:
 
 
 def table(lines: list[tuple[str, ...]]) -> str:
-    header = "  ".join(name.ljust(width) for name, width in COLUMNS)
-    body = ["  ".join(str(cell)[:width].ljust(width) for cell, (_, width) in zip(line, COLUMNS, strict=True)) for line in lines]
+    """Each column as wide as its widest cell: nothing is cut."""
+    widths = [max(len(str(cell)) for cell in column) for column in zip(COLUMNS, *lines, strict=True)]
+    header, *body = (
+        "  ".join(str(cell).ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip() for line in [COLUMNS, *lines]
+    )
     return "\n".join([header, "-" * len(header), *body])
 
 

@@ -61,7 +61,8 @@ def test_a_normal_exit_leaves_the_run_to_finish(store):
 def test_compare_prints_a_table_and_plots_the_curves(store, tmp_path, capsys):
     client = mlflow.MlflowClient(store)
     experiment = client.create_experiment("pretrain_clm")
-    for name, lr, losses in (("lr0.01", "0.01", [5.0, 4.0, 3.5]), ("lr0.001", "0.001", [5.0, 4.8, 4.6])):
+    long = "lr0.001-a-run-name-longer-than-any-column-width"
+    for name, lr, losses in (("lr0.01", "0.01", [5.0, 4.0, 3.5]), (long, "0.001", [5.0, 4.8, 4.6])):
         run = client.create_run(experiment, run_name=name)
         client.log_param(run.info.run_id, "TrainingArguments.learning_rate", lr)
         client.log_param(run.info.run_id, "TrainingArguments.max_steps", "30")
@@ -74,9 +75,13 @@ def test_compare_prints_a_table_and_plots_the_curves(store, tmp_path, capsys):
     compare(["--experiment", "pretrain_clm", "--output", str(png)])
     out = capsys.readouterr().out
     lines = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("lr0.")}
-    assert lines["lr0.01"][1:3] == ["FINISHED", "0.01"] and "3.5000" in lines["lr0.01"] and "12,345" in lines["lr0.01"]
-    assert "0.91" in lines["lr0.01"]  # goodput's ETTR
-    assert lines["lr0.001"][2] == "0.001" and "4.6000" in lines["lr0.001"]
+    assert lines["lr0.01"][1:3] == ["FINISHED", "0.01"] and "3.5000" in lines["lr0.01"]
+    assert "12,345 tokens/s 0.91" in " ".join(lines["lr0.01"])  # the throughput whole (it was cut), goodput's ETTR
+    assert lines[long][2] == "0.001" and "4.6000" in lines[long]  # a long name whole, its row still in columns
+    header = next(line for line in out.splitlines() if line.startswith("run "))
+    assert [row.index(lines[name][-1]) for name in ("lr0.01", long) for row in out.splitlines() if row.startswith(name + " ")] == [
+        header.index("run id")
+    ] * 2
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit) as exit_:
         compare(["--experiment", "nope", "--output", str(png)])
