@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from infra.data import Data
+
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from infra.recipe import Data
 
 Batch = torch.Tensor | dict[str, torch.Tensor]
 

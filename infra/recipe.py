@@ -30,31 +30,17 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
+from infra.accelerator import build_accelerator
 from infra.config import require
-from infra.data import DataArguments, DataError, PackedDataset, check_fits_model
-from infra.data.mixture import Mixture, MixtureDataset, parse_sources
-from infra.distributed import build_accelerator
+from infra.data import Data, DataArguments, PackedDataset, check_fits_model, open_datasets
 from infra.errors import ModelError, RunError, raised_as
-from infra.files import sha256_file
 from infra.levers import dynamo_plugin
 from infra.memory import parameter_count
 from infra.metrics import flops_per_token
 from infra.tracking import run_status
 
 if TYPE_CHECKING:
-    from infra.trainer import TrainingArguments
-
-
-@dataclass
-class Data:
-    """A recipe's data: the shards, the part trained on, the held-out part (may be empty), and who hashes the shards.
-    With a mixture, `dataset` is its first source (the tokenizer, the sequence length: every source has the same)."""
-
-    dataset: PackedDataset
-    train: torch.utils.data.Dataset
-    held_out: torch.utils.data.Dataset
-    preflight_hashes: bool  # the preflight sha256es them (else they were checked when opened, if asked)
-    mixture: Mixture | None = None
+    from infra.arguments import TrainingArguments
 
 
 def open_data(
@@ -64,55 +50,9 @@ def open_data(
     made_by: str = "make data",
     optional: tuple[str, ...] = (),
 ) -> Data:
-    """The shards, split: sizes checked now; sha256 now only if no preflight will hash them.
-
-    The data must hold `fields` (the recipe's inputs), as `made_by` prepares them, and may hold `optional` ones. With a
-    data_mixture, every source is opened so, and must hold the same fields, sequence length and tokenizer.
-    """
+    """The recipe's prepared shards, split (infra.data.opened): sha256 now only if no preflight will hash them."""
     preflight_hashes = (args.preflight or args.preflight_only) and (data_args.verify_data_checksums or args.preflight_only)
-    if not data_args.data_mixture:
-        dataset, train_set, held_out = open_one(data_args.data_dir, data_args, preflight_hashes, fields, made_by, optional)
-        return Data(dataset, train_set, held_out, preflight_hashes)
-    sources = parse_sources(data_args.data_mixture)
-    opened = [open_one(s.data_dir, data_args, preflight_hashes, fields, made_by, optional) for s in sources]
-    first = opened[0][0]
-    for source, (dataset, _, _) in zip(sources[1:], opened[1:], strict=True):
-        if (mine := alike(dataset)) != (theirs := alike(first)):
-            raise DataError(
-                f"data_mixture source {source.name!r} ({source.data_dir}) has {mine}, and {sources[0].name!r} "
-                f"has {theirs}: every source must be prepared alike"
-            )
-    names = [s.name for s in sources]
-    mixture = Mixture(sources, [len(train) for _, train, _ in opened], [list(train.shard_sizes) for _, train, _ in opened])
-    train_set = MixtureDataset(names, [train for _, train, _ in opened])
-    return Data(first, train_set, MixtureDataset(names, [held for _, _, held in opened]), preflight_hashes, mixture)
-
-
-def alike(dataset: PackedDataset) -> dict:
-    """What the sources of a mixture must share: fields, sequence length, vocabulary and tokenizer (its file's sha256)."""
-    tokenizer = dataset.tokenizer_dir / "tokenizer.json"
-    digest = sha256_file(tokenizer)[:12] if tokenizer.is_file() else None
-    return {"fields": dataset.fields, "seq_len": dataset.seq_len, "vocab_size": dataset.index.vocab_size, "tokenizer": digest}
-
-
-def open_one(data_dir: str, data_args: DataArguments, preflight_hashes: bool, fields, made_by: str, optional):
-    """One prepared dataset, checked, its fields the recipe's, split into (dataset, train, held-out)."""
-    with raised_as(DataError, ValueError):
-        dataset = PackedDataset(
-            data_dir,
-            verify_checksums=data_args.verify_data_checksums and not preflight_hashes,
-            hash_fetches=data_args.verify_data_checksums,  # remote data: every rank hashes what it fetches later
-            # one process per machine reads every shard's header (10k shards: 1.0 s here, from local disk), not
-            # every rank: on network storage 64 ranks would open every file 64 times at once. Per machine, not
-            # once per job, as data may be copied to each machine's disk. A bad file stops that rank; the
-            # launcher then stops the others.
-            check=int(os.environ.get("LOCAL_RANK", "0")) == 0,
-        )
-        train_set, held_out = dataset.split(data_args.eval_samples)
-    if not set(fields) <= set(dataset.fields) <= set(fields) | set(optional):
-        reads = list(fields) + [f"{name} (optional)" for name in optional]
-        raise DataError(f"{data_dir} holds {dataset.fields}, this recipe reads {reads} ({made_by})")
-    return dataset, train_set, held_out
+    return open_datasets(data_args, preflight_hashes, fields, made_by, optional)
 
 
 def causal_lm_flops(model: torch.nn.Module, dataset: PackedDataset, eos_token_id: int) -> float:

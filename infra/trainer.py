@@ -27,7 +27,7 @@ import contextlib
 import json
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -35,131 +35,38 @@ from accelerate import Accelerator
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
+from infra.arguments import TrainingArguments
 from infra.checkpoint import (
-    CheckpointConfig,
     CheckpointError,
     CheckpointManager,
-    RetentionConfig,
     RetentionPolicy,
     SaveClock,
-    SaveClockConfig,
 )
 from infra.checkpoint.trainable import has_frozen_parameters, keep_trainable_only
 from infra.companions import companion_parameters, prepare_companions
-from infra.config import require
 from infra.consensus import StepConsensus
-from infra.data import DataArguments, SampleTrace, eval_batches
+from infra.data import Data, DataArguments, SampleTrace, eval_batches
 from infra.data.errors import DataError
 from infra.data.stream import named_parts, training_stream
 from infra.distributed import LaunchError, ready_for_fsdp
 from infra.environment import environment_facts
 from infra.export import Exporter
 from infra.goodput import Goodput, summary
-from infra.guard import NonFiniteConfig, NonFiniteGuard
+from infra.guard import NonFiniteGuard
 from infra.hangs import Watchdog, log_forensics, roster
-from infra.health import STRAGGLER_EXIT_CODE, HealthConfig, StragglerDetector, check_replicas_in_sync
+from infra.health import STRAGGLER_EXIT_CODE, StragglerDetector, check_replicas_in_sync
 from infra.hooks import Hooks
 from infra.job import Batch, Job, LossOutput
-from infra.levers import LeverConfig, checkpoint_activations, compile_blocks
+from infra.levers import checkpoint_activations, compile_blocks
 from infra.lock import claim
 from infra.lora import check_engine
 from infra.memory import Setup, Shape
 from infra.metrics import EtaCheck, TrainMetrics
-from infra.optim import OptimizerConfig, build_optimizer, build_scheduler
-from infra.precision import PrecisionConfig
-from infra.preemption import Preemption, PreemptionConfig, clear_stop_record, write_stop_record
-from infra.preflight import PreflightConfig, run_preflight
-from infra.recipe import Data, attention_of
-from infra.replicas import ReplicaConfig
-from infra.testing import hooks_from_env
-from infra.tracking import MetricLogger, TrackingConfig, end_run, last_logged_step, run_name_for, run_tags, start_run, tracking_uri
-
-
-@dataclass
-class LoopConfig:
-    """Loop, logging and eval flags (part of TrainingArguments)."""
-
-    output_dir: str = field(default="runs/default", metadata={"help": "Where checkpoints, the exported model and logs go."})
-    seed: int = field(default=42, metadata={"help": "Seed for model init, data order and dropout."})
-    max_steps: int = field(default=200, metadata={"help": "Optimizer steps to train for."})
-    per_device_train_batch_size: int = field(default=8, metadata={"help": "Samples per process per micro-step."})
-    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-steps per optimizer step."})
-    global_batch_size: int = field(
-        default=0,
-        metadata={
-            "help": "Samples per optimizer step over every process. When set, it decides gradient_accumulation_steps at "
-            "each launch (global / (per-device batch x processes)), so a job that comes back on fewer or more processes "
-            "keeps its batch. 0: per-device batch x processes x gradient_accumulation_steps."
-        },
-    )
-    logging_steps: int = field(default=10, metadata={"help": "Log metrics every N optimizer steps."})
-    eval_steps: int = field(
-        default=0,
-        metadata={"help": "Evaluate on the held-out samples every N optimizer steps (0: only at the end); recipes without eval ignore it."},
-    )
-    per_device_eval_batch_size: int = field(default=8, metadata={"help": "Samples per process per eval batch."})
-
-    def __post_init__(self):
-        for name in (
-            "max_steps",
-            "per_device_train_batch_size",
-            "per_device_eval_batch_size",
-            "gradient_accumulation_steps",
-            "logging_steps",
-        ):
-            require(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
-        require(self.eval_steps >= 0, "eval_steps", self.eval_steps, "an integer >= 0")
-        require(self.global_batch_size >= 0, "global_batch_size", self.global_batch_size, "an integer >= 0 (0: not set)")
-        require(
-            "://" not in self.output_dir,
-            "output_dir",
-            self.output_dir,
-            "a local or shared folder (checkpoints go to object storage with checkpoint_upload_dir)",
-        )
-
-
-@dataclass
-class TrainingArguments(
-    ReplicaConfig,
-    TrackingConfig,
-    PreflightConfig,
-    HealthConfig,
-    NonFiniteConfig,
-    PreemptionConfig,
-    CheckpointConfig,
-    RetentionConfig,
-    SaveClockConfig,
-    PrecisionConfig,
-    OptimizerConfig,
-    LeverConfig,
-    LoopConfig,
-):
-    """What every recipe shares: each section is declared, documented and validated beside the component that reads
-    it (a new flag goes there). Flat on the command line and in YAML; names follow `transformers.TrainingArguments`
-    where a field means the same thing; MLflow and checkpoints record them as `TrainingArguments.<name>`."""
-
-    def __post_init__(self):
-        for section in reversed(type(self).__mro__[1:]):  # each section's own checks, LoopConfig's first
-            if "__post_init__" in vars(section):
-                vars(section)["__post_init__"](self)
-        if self.lr_scheduler_type == "warmup_stable_decay":  # what neither section can check alone
-            decay = max(1, round(self.decay_ratio * self.max_steps))
-            accepted = f"at most max_steps - decay steps = {self.max_steps - decay} with warmup_stable_decay"
-            require(self.warmup_steps <= self.max_steps - decay, "warmup_steps", self.warmup_steps, accepted)
-        if self.fault_tolerance == "replicas":
-            accepted = "> 0 with fault_tolerance=replicas: the samples of every step, which the live replica groups split"
-            require(self.global_batch_size > 0, "global_batch_size", self.global_batch_size, accepted)
-
-
-def check_data_and_training(data_args: DataArguments, args: TrainingArguments) -> None:
-    """What neither section can check alone."""
-    if args.fault_tolerance == "replicas":
-        accepted = "not set with fault_tolerance=replicas, which reads one dataset (data_dir) for now"
-        require(not data_args.data_mixture, "data_mixture", data_args.data_mixture, accepted)
-    if args.keep_best and args.metric_for_best_model.startswith("eval/"):
-        require(
-            data_args.eval_samples > 0, "eval_samples", data_args.eval_samples, f"> 0 to rank checkpoints by {args.metric_for_best_model}"
-        )
+from infra.optim import build_optimizer, build_scheduler
+from infra.preemption import Preemption, clear_stop_record, write_stop_record
+from infra.preflight import run_preflight
+from infra.recipe import attention_of
+from infra.tracking import MetricLogger, end_run, last_logged_step, run_name_for, run_tags, start_run, tracking_uri
 
 
 class TrainState:
@@ -653,17 +560,3 @@ class Trainer:
         acc.print(summary(goodput))
         acc.end_training()
         return STRAGGLER_EXIT_CODE if stop is not None and stop["reason"] == "straggler" else 0
-
-
-def train(accelerator: Accelerator, args: TrainingArguments, data_args: DataArguments, config: dict, job: Job) -> int:
-    """Build the Trainer and run it; called on every rank by each recipe, which returns the exit code it gives. Test
-    hooks come from the environment (infra.testing): none in a normal run."""
-    trainer = Trainer
-    if args.fault_tolerance == "replicas":
-        from infra.replicas import launch_problem
-        from infra.replicas.trainer import ReplicaTrainer
-
-        if problem := launch_problem(args, accelerator.distributed_type.name):
-            raise LaunchError(problem)
-        trainer = ReplicaTrainer
-    return trainer(accelerator, args, data_args, config, job, hooks=hooks_from_env(accelerator.process_index)).run()

@@ -34,13 +34,29 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from infra.config import parse_config, require, resolved
-from infra.data import DataArguments
-from infra.job import Companion, LossOutput
-from infra.lora import LoraArguments, is_adapted, with_lora
-from infra.recipe import AttentionArguments, Data, causal_lm_flops, load_pretrained, open_data, run_recipe, start
+from infra import (
+    AttentionArguments,
+    Companion,
+    Data,
+    DataArguments,
+    Job,
+    LoraArguments,
+    LossOutput,
+    TrainingArguments,
+    causal_lm_flops,
+    check_data_and_training,
+    is_adapted,
+    load_pretrained,
+    open_data,
+    parse_config,
+    require,
+    resolved,
+    run_recipe,
+    start,
+    train,
+    with_lora,
+)
 from infra.reference import with_scores
-from infra.trainer import Job, TrainingArguments, check_data_and_training, train
 
 FIELDS = ("input_ids", "labels", "rejected_input_ids", "rejected_labels")
 REFERENCE_FIELDS = ("ref_chosen_logps", "ref_rejected_logps")  # with precompute_ref_log_probs (infra.reference)
@@ -156,9 +172,10 @@ def precomputed(accelerator, model, data_args: DataArguments, args: TrainingArgu
 
 def scored_ahead(
     accelerator, reference: Companion | None, policy, policy_source: str, data_args: DataArguments, args: TrainingArguments
-) -> Callable[[], Data]:
-    """What the Trainer calls, once it holds the output_dir's lock, for the data with the reference's log-probabilities
-    (`precomputed`): the reference's, or the LoRA policy's without its adapter. The reference goes with the call."""
+) -> Callable[[str], Data]:
+    """What the Trainer calls with the job's own folder, once it holds the output_dir's lock, for the data with the
+    reference's log-probabilities (`precomputed`): the reference's, or the LoRA policy's without its adapter. The
+    reference goes with the call."""
     held = [reference]
 
     def prepare(own_dir: str) -> Data:

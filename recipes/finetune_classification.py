@@ -21,14 +21,27 @@ from functools import partial
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from infra.config import parse_config, resolved
-from infra.data import DataArguments, DataError
+from infra import (
+    AttentionArguments,
+    DataArguments,
+    DataError,
+    Job,
+    LoraArguments,
+    LossOutput,
+    TrainingArguments,
+    check_data_and_training,
+    class_losses,
+    evaluate_classifier,
+    load_pretrained,
+    open_data,
+    parse_config,
+    resolved,
+    run_recipe,
+    start,
+    train,
+    with_lora,
+)
 from infra.data.tasks import minilm_dir
-from infra.job import LossOutput
-from infra.lora import LoraArguments, with_lora
-from infra.metrics import evaluate_classifier
-from infra.recipe import AttentionArguments, class_losses, load_pretrained, open_data, run_recipe, start
-from infra.trainer import Job, TrainingArguments, check_data_and_training, train
 
 
 @dataclass

@@ -21,12 +21,26 @@ from typing import Literal
 import torch
 from transformers import AutoConfig, AutoModelForImageClassification, ViTImageProcessor
 
-from infra.config import ConfigError, parse_config, require, resolved
-from infra.data import DataArguments, DataError
-from infra.job import LossOutput
-from infra.metrics import evaluate_classifier
-from infra.recipe import AttentionArguments, class_losses, load_pretrained, open_data, run_recipe, start
-from infra.trainer import Job, TrainingArguments, check_data_and_training, train
+from infra import (
+    AttentionArguments,
+    ConfigError,
+    DataArguments,
+    DataError,
+    Job,
+    LossOutput,
+    TrainingArguments,
+    check_data_and_training,
+    class_losses,
+    evaluate_classifier,
+    load_pretrained,
+    open_data,
+    parse_config,
+    require,
+    resolved,
+    run_recipe,
+    start,
+    train,
+)
 
 
 @dataclass

@@ -21,20 +21,25 @@ from functools import partial
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from infra.config import parse_config, require, resolved
-from infra.data import DataArguments
-from infra.job import LossOutput
-from infra.recipe import (
+from infra import (
     AttentionArguments,
+    DataArguments,
+    Job,
+    LossOutput,
+    TrainingArguments,
     causal_lm_flops,
+    check_data_and_training,
     load_pretrained,
     open_data,
+    parse_config,
     predicted_tokens,
+    require,
+    resolved,
     run_recipe,
     start,
     token_losses,
+    train,
 )
-from infra.trainer import Job, TrainingArguments, check_data_and_training, train
 
 
 @dataclass

@@ -22,21 +22,26 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from infra.config import parse_config, resolved
-from infra.data import DataArguments
-from infra.job import LossOutput
-from infra.lora import LoraArguments, with_lora
-from infra.recipe import (
+from infra import (
     AttentionArguments,
+    DataArguments,
+    Job,
+    LoraArguments,
+    LossOutput,
+    TrainingArguments,
     causal_lm_flops,
+    check_data_and_training,
     load_pretrained,
     open_data,
+    parse_config,
     predicted_tokens,
+    resolved,
     run_recipe,
     start,
     token_losses,
+    train,
+    with_lora,
 )
-from infra.trainer import Job, TrainingArguments, check_data_and_training, train
 
 
 @dataclass

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from infra.arguments import TrainingArguments
 from infra.config import ConfigError, _parse, flatten, resolved
-from infra.trainer import TrainingArguments
 from tests.conftest import REPO
 
 
@@ -212,7 +212,7 @@ def test_the_command_line_surface_is_frozen():
 
 
 def test_global_batch_size_decides_the_accumulation_for_the_processes_launched():
-    from infra.distributed import accumulate_for_global_batch
+    from infra.accelerator import accumulate_for_global_batch
 
     args = TrainingArguments(per_device_train_batch_size=4, gradient_accumulation_steps=3, global_batch_size=16)
     for processes, steps in ((2, 2), (1, 4), (4, 1)):

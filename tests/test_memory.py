@@ -44,9 +44,9 @@ class Tokenizer:
 
 
 def preset(name: str, *argv: str):
+    from infra.arguments import TrainingArguments
     from infra.config import parse_config
     from infra.data import DataArguments
-    from infra.trainer import TrainingArguments
     from recipes.pretrain_clm import ModelArguments
 
     path = REPO / "recipes" / "configs" / f"pretrain_clm_{name}.yaml"

@@ -50,8 +50,8 @@ def test_a_resumed_schedule_gives_the_straight_runs_learning_rates(kind):
 
 
 def test_warmup_must_end_before_the_decay_of_warmup_stable_decay():
+    from infra.arguments import TrainingArguments
     from infra.config import ConfigError
-    from infra.trainer import TrainingArguments
 
     with pytest.raises(ConfigError, match="warmup_steps=18 is not valid: expected at most max_steps - decay steps = 15"):
         TrainingArguments(max_steps=20, warmup_steps=18, lr_scheduler_type="warmup_stable_decay", decay_ratio=0.25)

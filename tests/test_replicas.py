@@ -21,18 +21,17 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from infra.arguments import TrainingArguments
 from infra.data import DataCursor, ResumableLoader
+from infra.data.steps import GlobalBatches
 from infra.distributed import FSDP_ON_CPU_ENV, LaunchError
 from infra.replicas import launch_problem
-from infra.replicas.quorum import Layout, Members, Seat, digest, misfit, torchft_id
-from infra.replicas.trainer import GlobalBatches, process_share, share
+from infra.replicas.quorum import Layout, Members, digest, misfit, torchft_id
 from infra.testing import FAULTS_ENV
-from infra.trainer import TrainingArguments
 from tests.conftest import REPO, free_port, launch, launch_command, tracking_uri
 from tests.hosts import Hosts
 from tests.test_pretrain import recipe_args
@@ -69,32 +68,6 @@ class Shards(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return torch.tensor([i])
-
-
-@pytest.mark.parametrize("size", [16, 10, 7])
-def test_any_quorum_splits_a_step_into_every_sample_once_and_as_many_micro_batches_in_every_slot(size):
-    ids = np.arange(100, 100 + size)
-    for slots in range(1, size + 1):
-        for micro in (1, 2, 4, 16):
-            parts = [share(ids, slot, slots, micro) for slot in range(slots)]
-            assert np.array_equal(np.concatenate([np.concatenate(p) for p in parts]), ids)  # in order, each once
-            assert len({len(p) for p in parts}) == 1  # DDP inside a group syncs on the same (last) micro-batch
-            assert all(len(m) <= micro for p in parts for m in p) and all(len(p[-1]) for p in parts)
-
-
-@pytest.mark.parametrize("limit", [0, 1, 2, 3])
-def test_the_training_groups_split_the_step_and_hot_spares_get_nothing_at_every_size_of_quorum(limit):
-    """training_replicas=limit: the first `limit` groups of a quorum (every one: 0) split the whole step, each sample
-    once, and the others (hot spares) read nothing; a quorum that lost a training group takes a spare in its place."""
-    ids, processes = np.arange(200, 224), 2
-    for size in range(1, 5):
-        seat = Seat(rank=0, size=size, id=0, healed_from=None, seconds=0.0)
-        training = seat.training(limit)
-        assert training == (min(size, limit) if limit else size)
-        parts = {(rank, p): process_share(ids, rank, training, p, processes, 4) for rank in range(size) for p in range(processes)}
-        read = [m for (rank, _), micro in sorted(parts.items()) if rank < training for m in micro]
-        assert np.array_equal(np.concatenate(read), ids)  # in order, each once
-        assert all(parts[rank, p] == [] for rank in range(training, size) for p in range(processes))
 
 
 def test_the_steps_global_batches_are_those_of_the_plain_loader_across_epochs():

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from infra.data.errors import DataError
+from infra.shares import even
 
 
 class DataCursor:
@@ -102,22 +103,22 @@ class EpochOrder:
 
 
 class _RankBatches(torch.utils.data.Sampler):
-    """This rank's slice of each global batch, from sample `start` of the epoch's order."""
+    """This rank's slice of each global batch (the even split, infra.shares), from sample `start` of the epoch's order."""
 
     def __init__(self, order: EpochOrder, start: int, batch_size: int, rank: int, world_size: int):
-        self.order, self.start, self.batch_size, self.rank = order, start, batch_size, rank
+        self.order, self.start, self.batch_size, self.rank, self.world_size = order, start, batch_size, rank, world_size
         self.global_batch = batch_size * world_size
 
     def __iter__(self) -> Iterator[list[int]]:
-        lo = self.rank * self.batch_size
         for s in range(self.start, len(self.order) - self.global_batch + 1, self.global_batch):
-            yield self.order[s + lo : s + lo + self.batch_size].tolist()
+            (mine,) = even(self.order[s : s + self.global_batch], self.rank, self.world_size, self.batch_size)
+            yield mine.tolist()
 
     def __len__(self) -> int:
         return max(0, (len(self.order) - self.start) // self.global_batch)
 
 
-def _collate(batch):
+def collate(batch):
     """Datasets with `__getitems__` (PackedDataset) hand over a finished batch: a tensor or a dict of them."""
     finished = isinstance(batch, torch.Tensor) or (isinstance(batch, dict) and all(isinstance(v, torch.Tensor) for v in batch.values()))
     return batch if finished else torch.utils.data.default_collate(batch)
@@ -185,7 +186,7 @@ class ResumableLoader:
                 batch_sampler=sampler,
                 num_workers=self.num_workers,
                 pin_memory=self.pin_memory,
-                collate_fn=_collate,
+                collate_fn=collate,
                 generator=torch.Generator(),
             )
             for batch, ids in zip(loader, sampler, strict=True):
@@ -204,7 +205,7 @@ def eval_batches(dataset: torch.utils.data.Dataset, batch_size: int, rank: int, 
     """
     ids = np.arange(len(dataset) - len(dataset) % world_size)[rank::world_size]
     for s in range(0, len(ids), batch_size):
-        yield _collate(dataset.__getitems__(ids[s : s + batch_size].tolist()))
+        yield collate(dataset.__getitems__(ids[s : s + batch_size].tolist()))
 
 
 class SampleTrace:

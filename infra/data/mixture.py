@@ -24,8 +24,9 @@ import numpy as np
 import torch
 
 from infra.data.errors import DataError
-from infra.data.loader import EpochOrder, _collate
+from infra.data.loader import EpochOrder, collate
 from infra.data.shards import SampleRange, read_rows
+from infra.shares import even
 
 RESOLUTION = 10_000  # the weights as integers summing to at most this (one period of the order)
 
@@ -267,13 +268,14 @@ class MixtureOrder:
 
 
 class _MixtureBatches(torch.utils.data.Sampler):
-    """This rank's slice of each global batch of mixture positions, from the cursor's, without end. The ids are worked
-    out BLOCK global batches at a time (the interleave's cost is per call, not per sample)."""
+    """This rank's slice of each global batch of mixture positions (the even split, infra.shares), from the cursor's,
+    without end. The ids are worked out BLOCK global batches at a time (the interleave's cost is per call, not per
+    sample)."""
 
     BLOCK = 64
 
     def __init__(self, order: MixtureOrder, start: int, batch_size: int, rank: int, world_size: int):
-        self.order, self.start, self.batch_size, self.rank = order, start, batch_size, rank
+        self.order, self.start, self.batch_size, self.rank, self.world_size = order, start, batch_size, rank, world_size
         self.global_batch = batch_size * world_size
         self._blocks: dict[int, np.ndarray] = {}
 
@@ -287,12 +289,9 @@ class _MixtureBatches(torch.utils.data.Sampler):
         return ids
 
     def __iter__(self) -> Iterator[list[int]]:
-        s, lo = self.start, self.rank * self.batch_size
+        s = self.start
         while True:
-            block = self._block(s)
-            for b in range(self.BLOCK):
-                first = b * self.global_batch + lo
-                yield block[first : first + self.batch_size].tolist()
+            yield from (ids.tolist() for ids in even(self._block(s), self.rank, self.world_size, self.batch_size))
             s += self.BLOCK * self.global_batch
 
 
@@ -325,7 +324,7 @@ class MixtureLoader:
         order = MixtureOrder(self.dataset, self.cursor, self.shard_sizes, self.seed, self.shuffle_window)
         sampler = _MixtureBatches(order, self.cursor.position, self.batch_size, self.rank, self.world_size)
         loader = torch.utils.data.DataLoader(
-            self.dataset, batch_sampler=sampler, collate_fn=_collate, generator=torch.Generator(), **self.loader_args
+            self.dataset, batch_sampler=sampler, collate_fn=collate, generator=torch.Generator(), **self.loader_args
         )
         for batch, ids in zip(loader, sampler, strict=False):
             self.last_sample_ids = ids

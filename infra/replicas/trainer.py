@@ -16,67 +16,16 @@ What changes against infra.trainer.Trainer, and why:
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 
 import numpy as np
 import torch
 
-from infra.data.loader import EpochOrder, _collate
+from infra.data.steps import GlobalBatches
 from infra.hangs import SILENT_AFTER
 from infra.replicas.quorum import ReplicaGroup, Seat, as_parts, digest, from_part
+from infra.shares import process_share
 from infra.trainer import StepResult, Trainer, to_device
-
-
-class GlobalBatches:
-    """The samples of a step: `size` positions of the epoch's order from the cursor; an epoch's last positions that do
-    not fill a step are left out, as the plain loader leaves out a short last batch."""
-
-    def __init__(self, dataset, seed: int, window: int, size: int):
-        self.dataset, self.seed, self.window, self.size = dataset, seed, window, size
-        self.shard_sizes = list(getattr(dataset, "shard_sizes", [len(dataset)]))
-        self._order: EpochOrder | None = None
-
-    def order(self, epoch: int) -> EpochOrder:
-        if self._order is None or self._order.epoch != epoch:
-            self._order = EpochOrder(self.shard_sizes, self.seed, epoch, self.window)
-        return self._order
-
-    def ids(self, cursor) -> np.ndarray:
-        """The global sample ids of the step at `cursor` (rolled over to the next epoch first if the rest is short)."""
-        self.roll(cursor)
-        return self.order(cursor.epoch)[cursor.samples_consumed : cursor.samples_consumed + self.size]
-
-    def roll(self, cursor) -> None:
-        if cursor.samples_consumed + self.size > len(self.dataset):
-            cursor.epoch += 1
-            cursor.samples_consumed = 0
-
-    def advance(self, cursor) -> None:
-        self.roll(cursor)
-        cursor.samples_consumed += self.size
-
-    def read(self, ids: np.ndarray):
-        get = getattr(self.dataset, "__getitems__", None)
-        return _collate(get(ids.tolist()) if get else [self.dataset[int(i)] for i in ids])
-
-
-def share(ids: np.ndarray, slot: int, slots: int, micro_batch: int) -> list[np.ndarray]:
-    """Slot `slot` of `slots`'s part of a step's samples, as micro-batches of at most `micro_batch`: the same number of
-    micro-batches in every slot (DDP inside a group syncs on the last), any empty ones first."""
-    part = np.array_split(ids, slots)[slot]
-    count = math.ceil(math.ceil(len(ids) / slots) / micro_batch)
-    sizes = [len(p) for p in np.array_split(part, count)][::-1]  # the smaller ones first, the samples in order
-    return np.split(part, np.cumsum(sizes)[:-1])
-
-
-def process_share(ids: np.ndarray, rank: int, training: int, process: int, processes: int, micro_batch: int) -> list[np.ndarray]:
-    """Process `process` (of `processes` in its group)'s micro-batches of a step, in the group of rank `rank` in the
-    quorum, of which the first `training` groups train. Nothing for a hot spare (ranked past them): it adds nothing to
-    the sums and steps with the others, so it can take a lost group's share at the next step."""
-    if rank >= training:
-        return []
-    return share(ids, rank * processes + process, training * processes, micro_batch)
 
 
 class ReplicaTrainer(Trainer):

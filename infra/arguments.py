@@ -1,0 +1,110 @@
+"""Every flag a recipe shares, `TrainingArguments`: one flat command line and YAML, made of the sections each component
+declares beside itself (a new flag goes there), and what neither section can check alone.
+
+    args = TrainingArguments(max_steps=100, global_batch_size=32)   # ConfigError: one line naming the field
+    check_data_and_training(data_args, args)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from infra.checkpoint import CheckpointConfig, RetentionConfig, SaveClockConfig
+from infra.config import require
+from infra.data import DataArguments
+from infra.guard import NonFiniteConfig
+from infra.health import HealthConfig
+from infra.levers import LeverConfig
+from infra.optim import OptimizerConfig
+from infra.precision import PrecisionConfig
+from infra.preemption import PreemptionConfig
+from infra.preflight import PreflightConfig
+from infra.replicas import ReplicaConfig
+from infra.tracking import TrackingConfig
+
+
+@dataclass
+class LoopConfig:
+    """Loop, logging and eval flags (part of TrainingArguments)."""
+
+    output_dir: str = field(default="runs/default", metadata={"help": "Where checkpoints, the exported model and logs go."})
+    seed: int = field(default=42, metadata={"help": "Seed for model init, data order and dropout."})
+    max_steps: int = field(default=200, metadata={"help": "Optimizer steps to train for."})
+    per_device_train_batch_size: int = field(default=8, metadata={"help": "Samples per process per micro-step."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-steps per optimizer step."})
+    global_batch_size: int = field(
+        default=0,
+        metadata={
+            "help": "Samples per optimizer step over every process. When set, it decides gradient_accumulation_steps at "
+            "each launch (global / (per-device batch x processes)), so a job that comes back on fewer or more processes "
+            "keeps its batch. 0: per-device batch x processes x gradient_accumulation_steps."
+        },
+    )
+    logging_steps: int = field(default=10, metadata={"help": "Log metrics every N optimizer steps."})
+    eval_steps: int = field(
+        default=0,
+        metadata={"help": "Evaluate on the held-out samples every N optimizer steps (0: only at the end); recipes without eval ignore it."},
+    )
+    per_device_eval_batch_size: int = field(default=8, metadata={"help": "Samples per process per eval batch."})
+
+    def __post_init__(self):
+        for name in (
+            "max_steps",
+            "per_device_train_batch_size",
+            "per_device_eval_batch_size",
+            "gradient_accumulation_steps",
+            "logging_steps",
+        ):
+            require(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
+        require(self.eval_steps >= 0, "eval_steps", self.eval_steps, "an integer >= 0")
+        require(self.global_batch_size >= 0, "global_batch_size", self.global_batch_size, "an integer >= 0 (0: not set)")
+        require(
+            "://" not in self.output_dir,
+            "output_dir",
+            self.output_dir,
+            "a local or shared folder (checkpoints go to object storage with checkpoint_upload_dir)",
+        )
+
+
+@dataclass
+class TrainingArguments(
+    ReplicaConfig,
+    TrackingConfig,
+    PreflightConfig,
+    HealthConfig,
+    NonFiniteConfig,
+    PreemptionConfig,
+    CheckpointConfig,
+    RetentionConfig,
+    SaveClockConfig,
+    PrecisionConfig,
+    OptimizerConfig,
+    LeverConfig,
+    LoopConfig,
+):
+    """What every recipe shares: each section is declared, documented and validated beside the component that reads
+    it (a new flag goes there). Flat on the command line and in YAML; names follow `transformers.TrainingArguments`
+    where a field means the same thing; MLflow and checkpoints record them as `TrainingArguments.<name>`."""
+
+    def __post_init__(self):
+        for section in reversed(type(self).__mro__[1:]):  # each section's own checks, LoopConfig's first
+            if "__post_init__" in vars(section):
+                vars(section)["__post_init__"](self)
+        if self.lr_scheduler_type == "warmup_stable_decay":  # what neither section can check alone
+            decay = max(1, round(self.decay_ratio * self.max_steps))
+            accepted = f"at most max_steps - decay steps = {self.max_steps - decay} with warmup_stable_decay"
+            require(self.warmup_steps <= self.max_steps - decay, "warmup_steps", self.warmup_steps, accepted)
+        if self.fault_tolerance == "replicas":
+            accepted = "> 0 with fault_tolerance=replicas: the samples of every step, which the live replica groups split"
+            require(self.global_batch_size > 0, "global_batch_size", self.global_batch_size, accepted)
+
+
+def check_data_and_training(data_args: DataArguments, args: TrainingArguments) -> None:
+    """What neither section can check alone."""
+    if args.fault_tolerance == "replicas":
+        accepted = "not set with fault_tolerance=replicas, which reads one dataset (data_dir) for now"
+        require(not data_args.data_mixture, "data_mixture", data_args.data_mixture, accepted)
+    if args.keep_best and args.metric_for_best_model.startswith("eval/"):
+        require(
+            data_args.eval_samples > 0, "eval_samples", data_args.eval_samples, f"> 0 to rank checkpoints by {args.metric_for_best_model}"
+        )

@@ -1,0 +1,102 @@
+"""What each process trains on (infra.shares): every split of a step's global batch against the even one, which the
+loaders read by. The same samples, each once, in as many micro-batches in every process, and the same gradient."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from infra.data import DataCursor, ResumableLoader
+from infra.replicas.quorum import Seat
+from infra.shares import even, process_share, share
+
+
+class Shards(torch.utils.data.Dataset):
+    """Sample i is i, in shards of the given sizes."""
+
+    def __init__(self, sizes: list[int]):
+        self.shard_sizes = sizes
+
+    def __len__(self) -> int:
+        return sum(self.shard_sizes)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i])
+
+
+@pytest.mark.parametrize(("processes", "micro", "accumulation"), [(1, 4, 1), (2, 4, 2), (3, 2, 3), (4, 1, 2)])
+def test_the_even_split_is_what_each_rank_of_a_plain_run_reads(processes, micro, accumulation):
+    """A step is `accumulation` micro-steps of the loaders' global batches (one process reading them whole sees its
+    samples): each rank's loader reads, micro-step after micro-step, its even share of the step's samples."""
+    dataset = Shards([32, 32, 20, 32])
+    whole = iter(ResumableLoader(dataset, processes * micro, 7, 0, 1, DataCursor(), shuffle_window=24))
+    ranks = [iter(ResumableLoader(dataset, micro, 7, r, processes, DataCursor(), shuffle_window=24)) for r in range(processes)]
+    for _ in range(12):  # across epochs
+        ids = np.concatenate([next(whole).reshape(-1).numpy() for _ in range(accumulation)])
+        for rank, loader in enumerate(ranks):
+            read = [next(loader).reshape(-1).tolist() for _ in range(accumulation)]
+            assert read == [m.tolist() for m in even(ids, rank, processes, micro)]
+
+
+def gradient(parts: list[list[np.ndarray]], inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The step's gradient of a linear model as the Trainer makes it: each micro-batch's summed loss over the step's items,
+    accumulated in each process, summed over the processes (the all-reduce). Processes with no sample add nothing."""
+    weight = torch.linspace(-1, 1, inputs.shape[1], dtype=torch.float64).requires_grad_()
+    items = sum(len(m) for p in parts for m in p)
+    total = torch.zeros_like(weight)
+    for micro_batches in parts:
+        weight.grad = None
+        for m in micro_batches:
+            if len(m):
+                (((inputs[m] @ weight - targets[m]) ** 2).sum() / items).backward()
+        total += weight.grad if weight.grad is not None else 0
+    return total
+
+
+def test_every_split_trains_on_the_even_splits_samples_once_each_with_its_gradient():
+    generator = torch.Generator().manual_seed(0)
+    inputs, targets = (
+        torch.randn(48, 5, generator=generator, dtype=torch.float64),
+        torch.randn(48, generator=generator, dtype=torch.float64),
+    )
+    ids = np.random.default_rng(3).permutation(48)[:24]  # a step's global batch
+    reference = [even(ids, rank, 2, 4) for rank in range(2)]  # 2 processes, micro-batches of 4, 3 accumulation steps
+    expected = gradient(reference, inputs, targets)
+    splits = {"even over 4": [even(ids, r, 4, 2) for r in range(4)], "even over 1": [even(ids, 0, 1, 8)]}
+    splits |= {f"share over {n}, micro {m}": [share(ids, s, n, m) for s in range(n)] for n in (1, 3, 5, 7, 24) for m in (1, 4)}
+    for size, training in ((3, 3), (3, 2), (4, 1)):  # replica groups of 2 processes, hot spares past `training`
+        splits[f"quorum {size}, {training} training"] = [process_share(ids, g, training, p, 2, 4) for g in range(size) for p in range(2)]
+    for name, parts in splits.items():
+        read = np.concatenate([m for p in parts for m in p])
+        assert np.array_equal(np.sort(read), np.sort(ids)) and len(read) == len(ids), name  # the same samples, each once
+        assert len({len(p) for p in parts if p}) == 1, name  # as many micro-batches in every process that trains
+        torch.testing.assert_close(gradient(parts, inputs, targets), expected, rtol=1e-12, atol=1e-12, msg=name)
+    wrong = [share(ids[:-1], s, 3, 4) for s in range(3)]  # the check's power: one sample short changes the gradient
+    assert not torch.allclose(gradient(wrong, inputs, targets), expected)
+
+
+@pytest.mark.parametrize("size", [16, 10, 7])
+def test_any_quorum_splits_a_step_into_every_sample_once_and_as_many_micro_batches_in_every_slot(size):
+    ids = np.arange(100, 100 + size)
+    for slots in range(1, size + 1):
+        for micro in (1, 2, 4, 16):
+            parts = [share(ids, slot, slots, micro) for slot in range(slots)]
+            assert np.array_equal(np.concatenate([np.concatenate(p) for p in parts]), ids)  # in order, each once
+            assert len({len(p) for p in parts}) == 1  # DDP inside a group syncs on the same (last) micro-batch
+            assert all(len(m) <= micro for p in parts for m in p) and all(len(p[-1]) for p in parts)
+
+
+@pytest.mark.parametrize("limit", [0, 1, 2, 3])
+def test_the_training_groups_split_the_step_and_hot_spares_get_nothing_at_every_size_of_quorum(limit):
+    """training_replicas=limit: the first `limit` groups of a quorum (every one: 0) split the whole step, each sample
+    once, and the others (hot spares) read nothing; a quorum that lost a training group takes a spare in its place."""
+    ids, processes = np.arange(200, 224), 2
+    for size in range(1, 5):
+        seat = Seat(rank=0, size=size, id=0, healed_from=None, seconds=0.0)
+        training = seat.training(limit)
+        assert training == (min(size, limit) if limit else size)
+        parts = {(rank, p): process_share(ids, rank, training, p, processes, 4) for rank in range(size) for p in range(processes)}
+        read = [m for (rank, _), micro in sorted(parts.items()) if rank < training for m in micro]
+        assert np.array_equal(np.concatenate(read), ids)  # in order, each once
+        assert all(parts[rank, p] == [] for rank in range(training, size) for p in range(processes))
