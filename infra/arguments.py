@@ -98,6 +98,14 @@ class TrainingArguments(
             accepted = "> 0 with fault_tolerance=replicas: the samples of every step, which the live replica groups split"
             require(self.global_batch_size > 0, "global_batch_size", self.global_batch_size, accepted)
 
+    @property
+    def own_dir(self) -> str:
+        """Where this job's own files go (its lock, goodput, sample trace, hang reports, stop record, MLflow run id): the
+        output_dir; with replica groups each group's folder in it (checkpoints and final/ stay in output_dir)."""
+        if self.fault_tolerance == "replicas":
+            return f"{self.output_dir}/replicas/{self.replica_group_id}"
+        return self.output_dir
+
 
 def check_data_and_training(data_args: DataArguments, args: TrainingArguments) -> None:
     """What neither section can check alone."""

@@ -16,8 +16,28 @@ split to the even one: the same samples, each once, and the same gradient.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
+
+
+@dataclass
+class Seat:
+    """A step's place among the groups that split it: a replica group's in the quorum of live groups (infra.replicas);
+    a plain job is the one group of a quorum of one (`ALONE`)."""
+
+    rank: int  # this group's rank among the live groups
+    size: int  # live groups
+    id: int  # the quorum's number: a new one at every change of the groups in it
+    healed_from: int | None  # the step this group healed to, when it did at this quorum
+    seconds: float  # the quorum's wait, a heal included
+
+    def training(self, limit: int) -> int:
+        """The groups of this quorum that train: the first `limit` by rank (0: every one); the others are hot spares."""
+        return min(self.size, limit) if limit else self.size
+
+
+ALONE = Seat(rank=0, size=1, id=0, healed_from=None, seconds=0.0)
 
 
 def even(ids: np.ndarray, process: int, processes: int, micro_batch: int) -> list[np.ndarray]:

@@ -43,10 +43,12 @@ from infra.checkpoint import (
     SaveClock,
 )
 from infra.checkpoint.trainable import has_frozen_parameters, keep_trainable_only
+from infra.combine import Combine, EngineSum
 from infra.companions import companion_parameters, prepare_companions
 from infra.consensus import StepConsensus
 from infra.data import Data, DataArguments, SampleTrace, eval_batches
 from infra.data.errors import DataError
+from infra.data.steps import EvenShares, Micro, SplitShares
 from infra.data.stream import named_parts, training_stream
 from infra.distributed import LaunchError, ready_for_fsdp
 from infra.environment import environment_facts
@@ -66,6 +68,7 @@ from infra.optim import build_optimizer, build_scheduler
 from infra.preemption import Preemption, clear_stop_record, write_stop_record
 from infra.preflight import run_preflight
 from infra.recipe import attention_of
+from infra.shares import Seat
 from infra.tracking import MetricLogger, end_run, last_logged_step, run_name_for, run_tags, start_run, tracking_uri
 
 
@@ -147,10 +150,12 @@ class Trainer:
         config: dict,
         job: Job,
         hooks: Hooks | None = None,
+        combine: Combine | None = None,
     ):
         acc = self.accelerator = accelerator
         self.args, self.data_args, self.config, self.job = args, data_args, config, job
         self.hooks = hooks or Hooks()
+        self.combine = combine or EngineSum()
         # a refusal here (LaunchError) leaves nothing on disk, not even the lock
         checkpoint_activations(acc, job.model, args.gradient_checkpointing)
         if why := check_engine(acc, job.model):
@@ -171,7 +176,8 @@ class Trainer:
         for line in prepare_companions(acc, job.companions):  # frozen models beside it: placed, sharded, never saved
             acc.print(line)
         self.scheduler = acc.prepare_scheduler(build_scheduler(self.optimizer, args, args.max_steps))
-        self.units_per_step = self.loader.global_batch_size * args.gradient_accumulation_steps * job.units_per_sample
+        self.shares = self.shares_of(self.loader)
+        self.units_per_step = self.shares.samples_per_step * job.units_per_sample
 
         self.state = TrainState()
         self.goodput = Goodput(self.own_dir, acc.is_main_process)
@@ -203,17 +209,34 @@ class Trainer:
         self.run_id: str | None = None
         self.latest: dict[str, float] = {}  # the latest of each metric, eval included: checkpoints and keep_best read them
         self.facts: dict[str, Any] = {}  # versions, git state: recorded in every checkpoint
-        self.batches: Iterator[Batch] | None = None  # the loader's, from the resumed cursor
         self.eta: EtaCheck | None = None
         self.bar: tqdm | None = None
         self.step_started = time.monotonic()
         self.learning_rate = 0.0  # the rate of the last step taken: train/learning_rate
+        self.combine.bind(self)  # last: it may read any of the above (a replica group's heal reads the model)
 
     @property
     def own_dir(self) -> str:
-        """Where this job's own files go (its lock, goodput, sample trace, hang reports, stop record, MLflow run id): the
-        output_dir; a replica group's folder in it with fault_tolerance (infra.replicas)."""
-        return self.args.output_dir
+        """Where this job's own files go (its lock, goodput, sample trace, hang reports, stop record, MLflow run id)."""
+        return self.args.own_dir
+
+    def shares_of(self, loader) -> EvenShares | SplitShares:
+        """What each process trains on at a step: its loader's even share, or with replica groups its part of the step's
+        global batch by its group's seat in the quorum (infra.data.steps)."""
+        acc, args = self.accelerator, self.args
+        if args.fault_tolerance != "replicas":
+            return EvenShares(loader, args.gradient_accumulation_steps)
+        return SplitShares(
+            self.job.data.train,
+            self.cursor,
+            args.seed,
+            self.data_args.shuffle_window,
+            args.global_batch_size,
+            acc.process_index,
+            acc.num_processes,
+            args.per_device_train_batch_size,
+            args.training_replicas,
+        )
 
     def run(self) -> int:
         """Everything, on every rank: the steps of a run, and one exit: its code (0, or 75 after a straggler)."""
@@ -294,12 +317,16 @@ class Trainer:
         self.trace = SampleTrace(self.own_dir, acc.process_index, state.step, acc.num_processes) if traced else None
         self.latest = manifest.get("metrics", {})
         self.facts = environment_facts(acc)  # versions, git state: once, not at every save
-        self.batches = iter(self.loader)
+        self.shares.start()
         self.eta = EtaCheck(acc, state.step, args.max_steps, self.units_per_step, args.time_budget_hours, unit=self.job.unit)
         self.bar = tqdm(total=args.max_steps, initial=state.step, desc="train", disable=not acc.is_local_main_process)
         self.model.train()
 
     def restore(self) -> tuple[str | None, dict]:
+        """Where the run starts: its path and manifest (none: a fresh start); a replica group's may be a heal."""
+        return self.combine.restore(self.load_checkpoint)
+
+    def load_checkpoint(self) -> tuple[str | None, dict]:
         """The state of the newest checkpoint that verifies, loaded: its path and manifest (none: a fresh start)."""
         args, state = self.args, self.state
         path, manifest = self.checkpoints.resume(args.resume_from_checkpoint, checksums=args.verify_checksums)
@@ -311,13 +338,8 @@ class Trainer:
 
     def start_line(self, path: str | None) -> str:
         """The first line of a launch: its size, where it starts and its batch."""
-        acc, args = self.accelerator, self.args
-        steps = args.gradient_accumulation_steps
-        return (
-            f"world size {acc.num_processes} ({acc.distributed_type.value}), "
-            f"{'resumed at step ' + str(self.state.step) + ' from ' + str(path) if path else 'starting fresh'}, "
-            f"{self.loader.global_batch_size * steps} samples per step ({steps} micro-step{'s' if steps > 1 else ''}), {self.cursor}"
-        )
+        where = f"resumed at step {self.state.step} from {path}" if path else "starting fresh"
+        return f"{self.combine.who()}, {where}, {self.combine.batch()}, {self.cursor}"
 
     def log_forensics(self) -> None:
         """Where each rank was when an earlier launch stopped for a lost peer (infra.hangs), as artifacts of the run."""
@@ -335,31 +357,77 @@ class Trainer:
         return tags
 
     def step(self) -> StepResult:
-        """One optimizer step: its micro-batches fetched, their items counted on every rank, accumulation, clipping, the
-        ranks' agreement, then the update unless a rank saw a non-finite value."""
+        """One optimizer step, tried until it counts (a plain job's always does; a replica group's when its quorum
+        commits it, else it is done again on the same samples)."""
+        while True:
+            seat = self.combine.begin()
+            if (result := self.attempt(seat)) is not None:
+                return result
+            self.combine.not_committed(seat)
+
+    def attempt(self, seat: Seat) -> StepResult | None:
+        """This process's share of the step read, its items counted over every process, the passes of its micro-batches,
+        the gradients combined (infra.combine) and clipped, then, if the step counts, the ranks' agreement and the update
+        unless a rank saw a non-finite value. None: it did not count (nothing of it kept)."""
         acc, args, state = self.accelerator, self.args, self.state
         self.step_started = time.monotonic()
         self.goodput.first_step()
         self.watchdog.entering("data")
-        micro_batches = [self.fetch() for _ in range(args.gradient_accumulation_steps)]
-        self.watchdog.entering("the item count's all-reduce")
-        items = self.count_items([batch for batch, _, _ in micro_batches])
-        self.watchdog.entering("forward and backward (the gradient all-reduce)")
+        micros = self.read(seat)
+        self.watchdog.entering(self.combine.items_where)
+        items = self.count_items([m.batch for m in micros if m.batch is not None])
+        self.watchdog.entering(self.combine.backward_where)
         # each micro-batch's summed loss over this: DDP, ZeRO and FSDP average the ranks' gradients, and accelerate
         # divides each micro-batch's by the accumulation steps, so the sum of all is divided by `items` exactly once
         num_items_in_batch = items / (acc.num_processes * args.gradient_accumulation_steps)
-        step_loss = torch.zeros((), device=acc.device)
-        for batch, position, sources in micro_batches:
-            with acc.accumulate(self.model):
-                with self.stragglers.compute():
-                    loss = self.micro_loss(batch, num_items_in_batch, sources)
-                    loss = self.hooks.on_loss(loss, position)
-                acc.backward(loss)
-            step_loss += loss.detach()
+        step_loss = self.backward(micros, num_items_in_batch)
+        loss, loss_sum = self.combine.gradients(step_loss, num_items_in_batch)  # this rank's summed item losses
         grad_norm = self.clip_gradients()
         self.hooks.before_optimizer_step(state.step + 1, self.model, grad_norm)
-        # this rank's summed item losses; the step's items
-        return self.update(step_loss, step_loss * num_items_in_batch, items, grad_norm)
+        if not self.combine.commit():
+            self.optimizer.zero_grad(set_to_none=True)
+            self.metrics.end_step(keep=False)  # the recipe's metrics of a try that did not count
+            return None
+        result = self.update(loss, loss_sum, items, grad_norm)
+        self.shares.committed(state.step, self.trace)
+        self.combine.committed(seat)
+        return result
+
+    def read(self, seat: Seat) -> list[Micro]:
+        """This process's micro-batches of the next step on the device; the wait is timed."""
+        waiting = time.perf_counter()
+        taken = self.shares.take(seat, self.state.step, self.trace)
+        micros = [m if m.batch is None else m._replace(batch=to_device(m.batch, self.accelerator.device)) for m in taken]
+        waited = time.perf_counter() - waiting
+        self.metrics.meter.waited(waited)
+        self.stragglers.waited(waited)
+        return micros
+
+    def backward(self, micros: list[Micro], num_items_in_batch: torch.Tensor) -> torch.Tensor:
+        """The forward and backward passes of this process's micro-batches; their summed loss. With a data_mixture (whose
+        losses per source the job can give) each sample's source goes with it. In a group of several processes an
+        empty micro-batch (a share of nothing) still runs its passes, on a stand-in sample with the loss times zero: the
+        other processes' passes wait on this one's (DDP's gradient all-reduce on the last micro-batch, FSDP's gathers on
+        every one), and it adds exact zeros."""
+        acc = self.accelerator
+        step_loss = torch.zeros((), device=acc.device)
+        for i, micro in enumerate(micros):
+            if micro.batch is None and acc.num_processes == 1:
+                continue
+            with self.combine.micro_batch(last=i == len(micros) - 1):
+                if micro.batch is None:
+                    stand_in = to_device(self.shares.stand_in(), acc.device)
+                    acc.backward(self.job.loss(self.model, stand_in, num_items_in_batch).loss * 0)
+                    continue
+                sources = self.loader.source_index(micro.ids) if self.job.per_sample_losses else None
+                if sources is not None:
+                    sources = torch.from_numpy(sources).to(acc.device)
+                with self.stragglers.compute():
+                    loss = self.micro_loss(micro.batch, num_items_in_batch, sources)
+                    loss = self.hooks.on_loss(loss, micro.position)
+                acc.backward(loss)
+            step_loss += loss.detach()
+        return step_loss
 
     def clip_gradients(self) -> torch.Tensor | None:
         """The gradients' global norm, clipped to max_grad_norm (None when not clipping)."""
@@ -399,30 +467,17 @@ class Trainer:
         self.metrics.count_step(self.units_per_step)
         return StepResult(loss, grad_norm, agreed.nonfinite, agreed.save_due, agreed.signal)
 
-    def fetch(self) -> tuple[Batch, int, torch.Tensor | None]:
-        """The next micro-batch on the device, its number since the run began, and with a data_mixture (whose losses per
-        source the job can give) each sample's source; the wait is timed, the samples traced."""
-        waiting = time.perf_counter()
-        batch = to_device(next(self.batches), self.accelerator.device)
-        waited = time.perf_counter() - waiting
-        self.metrics.meter.waited(waited)
-        self.stragglers.waited(waited)
-        ids = self.loader.last_sample_ids
-        if self.trace:
-            self.trace.write(self.state.step + 1, ids, self.loader.source_names(ids))
-        sources = self.loader.source_index(ids) if self.job.per_sample_losses else None
-        if sources is not None:
-            sources = torch.from_numpy(sources).to(self.accelerator.device)
-        return batch, self.loader.batches_consumed, sources
-
     def count_items(self, batches: list[Batch]) -> torch.Tensor:
-        """The items the loss sums over in these micro-batches, on every rank together: one small all-reduce per step,
-        before the backward passes (a 0-dim float tensor on the device)."""
-        count = self.job.items or samples_in
-        items = torch.stack([torch.as_tensor(count(b), device=self.accelerator.device).float() for b in batches]).sum()
+        """The items the loss sums over in these micro-batches, on every rank together (with replica groups, every group
+        too): one small all-reduce per step, before the backward passes (a 0-dim float tensor on the device)."""
+        count, device = self.job.items or samples_in, self.accelerator.device
+        # a share of nothing (more slots than samples, a hot spare) counts none, and still joins the all-reduces
+        items = torch.zeros((), device=device)
+        if batches:
+            items = torch.stack([torch.as_tensor(count(b), device=device).float() for b in batches]).sum()
         if self.accelerator.num_processes > 1:
             torch.distributed.all_reduce(items)
-        return items
+        return self.combine.count(items)
 
     def after_step(self, result: StepResult) -> None:
         """Progress, the test hooks, the watchdog, the pace after the first steps, a skipped step's count."""
@@ -447,6 +502,7 @@ class Trainer:
         if self.trace:
             self.trace.close()
             self.trace = SampleTrace(self.own_dir, self.accelerator.process_index, self.state.step, self.accelerator.num_processes)
+        self.combine.rolled_back()
 
     def log(self, result: StepResult) -> None:
         state = self.state
@@ -504,10 +560,13 @@ class Trainer:
         return (to_device(b, acc.device) for b in batches)
 
     def save(self, last: bool = False) -> None:
-        """A checkpoint of this step (in the background with async_save, except the last one), and its cost logged."""
+        """A checkpoint of this step (in the background with async_save, except the last one), and its cost logged. With
+        replica groups, by the group of rank 0 in the quorum only: every group holds the same state."""
         args, state = self.args, self.state
         if self.trace:
             self.trace.flush()
+        if not self.combine.saves:
+            return
         start = time.perf_counter()
         # a copy of the metrics: a background save writes its manifest later, while the loop goes on updating them
         facts = {**state.state_dict(), "cursor": self.cursor.state_dict(), "metrics": dict(self.latest), "mlflow_run_id": self.run_id}
@@ -528,7 +587,11 @@ class Trainer:
         self.tracker.log({"checkpoint/save_seconds": seconds, "checkpoint/interval_minutes": self.clock.interval / 60}, step=state.step)
 
     def export(self) -> None:
-        """At max_steps: the replicas must agree; then final/, loadable with from_pretrained."""
+        """At max_steps: final/, loadable with from_pretrained (a replica group's: by the group of rank 0)."""
+        self.combine.export(self.export_model)
+
+    def export_model(self) -> None:
+        """The replicas must agree; then final/."""
         check_replicas_in_sync(self.accelerator, self.model)
         state, unit = self.state, self.job.unit
         final = self.exporter.export(self.model, {"step": state.step, f"{unit}_seen": state.tokens_seen, **self.latest})
@@ -539,6 +602,7 @@ class Trainer:
         model logged on request and the run FINISHED; goodput logged and printed last; then the process group destroyed. A
         straggler exits with 75."""
         acc, state = self.accelerator, self.state
+        self.combine.close()
         if stop is not None:
             if acc.is_main_process:
                 write_stop_record(self.own_dir, state.step, stop)

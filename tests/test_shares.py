@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from infra.data import DataCursor, ResumableLoader
-from infra.replicas.quorum import Seat
-from infra.shares import even, process_share, share
+from infra.shares import Seat, even, process_share, share
 
 
 class Shards(torch.utils.data.Dataset):

@@ -1,11 +1,39 @@
-"""The samples of a step, by global sample id: the `size` positions of the epoch's order at the cursor, read as one
-batch. What a replica group reads (infra.replicas): the live groups split the ids among themselves (infra.shares)."""
+"""What each process trains on at a step: its share of the step's global batch, read as micro-batches. One of two readers,
+by how the step is split (infra.shares):
+
+    EvenShares     a plain job's: this rank's loader (infra.data.stream), which reads its even share of every
+                   micro-step, `gradient_accumulation_steps` micro-batches a step; each traced as it is read
+    SplitShares    a replica group's: the step's global batch at the cursor (GlobalBatches), split among the live
+                   groups by their seat in the quorum; the cursor moves, and the step is traced, when it commits
+
+Both answer the same calls, so the Trainer's step asks no question about which it has:
+
+    shares.start()                          from the resumed cursor
+    micros = shares.take(seat, step, trace) this process's micro-batches of the next step (a Micro each)
+    shares.stand_in()                       a sample for the passes of an empty micro-batch (a share of nothing)
+    shares.committed(step, trace)           the step counted: the cursor moves on (SplitShares)
+    shares.samples_per_step                 the step's global batch (samples_read: this process's part of the last)
+
+A new way of splitting is a function in infra.shares and, if it reads otherwise, a reader here with these calls.
+"""
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import numpy as np
 
-from infra.data.loader import EpochOrder, collate
+from infra.data.loader import EpochOrder, SampleTrace, collate
+from infra.shares import Seat, process_share
+
+
+class Micro(NamedTuple):
+    """One micro-batch of this process: its samples (None: an empty share, whose passes run on a stand-in with no weight),
+    their global ids, and its number since the run began (what the test hooks count)."""
+
+    batch: Any
+    ids: np.ndarray
+    position: int
 
 
 class GlobalBatches:
@@ -39,3 +67,67 @@ class GlobalBatches:
     def read(self, ids: np.ndarray):
         get = getattr(self.dataset, "__getitems__", None)
         return collate(get(ids.tolist()) if get else [self.dataset[int(i)] for i in ids])
+
+
+class EvenShares:
+    """A plain job's shares: this rank's loader, `accumulation` micro-batches a step. The loader's cursor moves as it
+    reads; every rank traces its own samples as it reads them, with their sources (a mixture's)."""
+
+    def __init__(self, loader, accumulation: int):
+        self.loader, self.accumulation = loader, accumulation
+        self.samples_per_step = loader.global_batch_size * accumulation
+        self.batches = None
+        self.samples_read = 0
+
+    def start(self) -> None:
+        self.batches = iter(self.loader)
+
+    def take(self, seat: Seat, step: int, trace: SampleTrace | None) -> list[Micro]:
+        micros = []
+        for _ in range(self.accumulation):
+            batch = next(self.batches)
+            ids = self.loader.last_sample_ids
+            if trace:
+                trace.write(step + 1, ids, self.loader.source_names(ids))
+            micros.append(Micro(batch, ids, self.loader.batches_consumed))
+        self.samples_read = sum(len(m.ids) for m in micros)
+        return micros
+
+    def stand_in(self):
+        raise AssertionError("an even share is never empty")
+
+    def committed(self, step: int, trace: SampleTrace | None) -> None:
+        """Nothing to do: the loader's cursor moved as it read."""
+
+
+class SplitShares:
+    """A replica group's shares: of the `size` samples at the cursor, this process's part by its group's seat in the
+    quorum (infra.shares.process_share: nothing for a hot spare), in micro-batches of at most `micro_batch`. A step that
+    does not commit is taken again from the same cursor; one that commits moves it, and the group's main process traces
+    the whole global batch (what every live group trained on)."""
+
+    def __init__(self, dataset, cursor, seed: int, window: int, size: int, process: int, processes: int, micro_batch: int, limit: int):
+        self.global_batches = GlobalBatches(dataset, seed, window, size)
+        self.cursor, self.process, self.processes, self.micro_batch, self.limit = cursor, process, processes, micro_batch, limit
+        self.samples_per_step = size
+        self.ids = np.arange(0)
+        self.samples_read = 0
+
+    def start(self) -> None:
+        """Nothing to do: the step's samples come from the cursor, whatever it was resumed or healed to."""
+
+    def take(self, seat: Seat, step: int, trace: SampleTrace | None) -> list[Micro]:
+        self.ids = self.global_batches.ids(self.cursor)
+        training = seat.training(self.limit)
+        parts = process_share(self.ids, seat.rank, training, self.process, self.processes, self.micro_batch)
+        self.samples_read = sum(len(part) for part in parts)
+        return [Micro(self.global_batches.read(p) if len(p) else None, p, step * len(parts) + i + 1) for i, p in enumerate(parts)]
+
+    def stand_in(self):
+        return self.global_batches.read(self.ids[:1])
+
+    def committed(self, step: int, trace: SampleTrace | None) -> None:
+        self.global_batches.advance(self.cursor)
+        if trace and self.process == 0:
+            trace.write(step, self.ids.tolist())
+            trace.flush()  # a line a step: what a group killed next leaves is exactly what it committed

@@ -18,7 +18,8 @@ samples, by the next quorum.
     ReplicaConfig   the flags (a section of TrainingArguments)
     launch_problem  what cannot run with them, in one line
     quorum          the torchft Manager of this group: quorum, sums across groups, commit, heal
-    trainer         ReplicaTrainer: the Trainer's step, resume, save and export for a group
+    combine         QuorumSum: how a group's steps are combined with the others' (infra.combine), its restore,
+                    save and export
 """
 
 from __future__ import annotations

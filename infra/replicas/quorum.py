@@ -20,7 +20,6 @@ import re
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, NamedTuple
 from urllib.parse import urlparse
@@ -31,20 +30,7 @@ from accelerate.utils import DistributedType, broadcast_object_list
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
-
-@dataclass
-class Seat:
-    """A step's quorum as this group sees it."""
-
-    rank: int  # this group's rank among the live groups
-    size: int  # live groups
-    id: int  # the quorum's number: a new one at every change of the groups in it
-    healed_from: int | None  # the step this group healed to, when it did at this quorum
-    seconds: float  # the quorum's wait, a heal included
-
-    def training(self, limit: int) -> int:
-        """The groups of this quorum that train: the first `limit` by rank (0: every one); the others are hot spares."""
-        return min(self.size, limit) if limit else self.size
+from infra.shares import Seat
 
 
 class Part(NamedTuple):

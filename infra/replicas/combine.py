@@ -1,0 +1,204 @@
+"""How a replica group's step is combined with the other groups' (fault_tolerance=replicas): the quorum before every
+try at a step, the gradients summed across the live groups, the update only on commit, a heal from a peer. The Trainer's
+step and phases are the plain job's (infra.trainer); what changes is this combine (infra.combine says its calls) and the
+reader of the step's samples (infra.data.steps.SplitShares).
+
+- restore: the first quorum comes first. A group behind the live ones (started late, or back after a fault) heals from
+  a peer and reads no checkpoint; when every group of the quorum starts at step 0 (a new job, or one back after losing
+  every group) each loads the newest checkpoint, as a plain job does, and the quorum goes on from its step.
+- step: the global batch is `global_batch_size` samples at the cursor; this group's share, by its rank in the quorum,
+  is cut into micro-batches of at most per_device_train_batch_size. The item count and the gradients are summed over
+  the quorum, so the update is the fault-free run's whatever the split (up to the order of the sums). A step whose
+  commit fails is done again on the same samples by the next quorum; the cursor moves on commit only.
+- save, export: by the group of rank 0 in the quorum, into the shared output_dir; each group's own files (its lock,
+  goodput, sample trace, MLflow run id) go to OUTPUT_DIR/replicas/<id> (TrainingArguments.own_dir).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+
+from infra.hangs import SILENT_AFTER
+from infra.replicas.quorum import ReplicaGroup, as_parts, digest, from_part
+from infra.shares import Seat
+
+
+class QuorumSum:
+    """infra.combine's calls for a replica group: `bind` builds its torchft Manager (infra.replicas.quorum)."""
+
+    items_where = "the item count's all-reduce (across replica groups)"
+    backward_where = "forward and backward"
+
+    def __init__(self):
+        self.seat: Seat | None = None  # the quorum of the try under way (the first one's is taken in restore)
+        self.seat_rank = 0  # this group's rank in the quorum of the last step: rank 0 saves and exports
+        self.redone = 0  # steps that did not commit and were done again
+        self.short = False  # the last quorum had fewer than min_replicas groups
+        self.live, self.quorum_id = 0, -1  # the quorum of the last committed step: its groups, its number
+        self.costs: dict[str, float] = {}  # the last step's: seconds of its sum across groups and commit
+        self.heals: list[tuple[int, float]] = []  # (step healed to, seconds), to log
+
+    def bind(self, trainer: Any) -> None:
+        self.trainer, self.args = trainer, trainer.args
+        self.group = ReplicaGroup(trainer.accelerator, trainer.args, self.replica_state, self.load_replica_state)
+        # Inside a step a rank may wait on the other groups for up to replica_timeout_seconds (a sum, the commit), and
+        # torchft can keep its stamp thread from running meanwhile: the group's own watchdog allows for that before it
+        # takes a silent rank of the group for lost. The other groups leave this one out after that timeout anyway.
+        trainer.watchdog.floor = 2 * trainer.args.replica_timeout_seconds + SILENT_AFTER
+
+    @property
+    def saves(self) -> bool:
+        """By the group of rank 0 in the quorum only: every group holds the same state."""
+        return self.seat_rank == 0
+
+    # -- the state a group heals from ------------------------------------------------------------------------------
+
+    def replica_state(self) -> dict:
+        """Everything a healing group needs to train on as this one (called by torchft between two steps); under FSDP
+        this process's parts of the sharded weights and moments."""
+        t = self.trainer
+        return as_parts(
+            {
+                "model": t.accelerator.unwrap_model(t.model).state_dict(),
+                "optimizer": t.optimizer.state_dict(),
+                "scheduler": t.scheduler.state_dict(),
+                "cursor": t.cursor.state_dict(),
+                "train": t.state.state_dict(),
+                "metrics": dict(t.latest),
+            }
+        )
+
+    def load_replica_state(self, state: dict) -> None:
+        t = self.trainer
+        model = t.accelerator.unwrap_model(t.model)
+        ours = model.state_dict()
+        model.load_state_dict({k: from_part(v, ours[k]) for k, v in state["model"].items()})
+        params = [p for group in t.optimizer.param_groups for p in group["params"]]  # the optimizer state's numbering
+        moments = {i: {k: from_part(v, params[i]) for k, v in s.items()} for i, s in state["optimizer"]["state"].items()}
+        t.optimizer.load_state_dict({**state["optimizer"], "state": moments})
+        t.scheduler.load_state_dict(state["scheduler"])
+        t.cursor.load_state_dict(state["cursor"])
+        t.state.load_state_dict(state["train"])
+        t.latest = dict(state["metrics"])
+
+    # -- the Trainer's calls (infra.combine) -----------------------------------------------------------------------
+
+    def restore(self, load) -> tuple[str | None, dict]:
+        """The first quorum; a heal from a live group, or (every group fresh) the newest checkpoint."""
+        self.seat = self.join_quorum()
+        if self.seat.healed_from is not None:
+            return f"a live replica group ({self.seat.seconds:.1f}s)", {"metrics": self.trainer.latest}
+        path, manifest = load()
+        self.group.set_step(self.trainer.state.step)
+        # this group's own MLflow run and goodput ledger, not those of the group that saved
+        return path, {k: v for k, v in manifest.items() if k not in ("mlflow_run_id", "goodput")}
+
+    def join_quorum(self) -> Seat:
+        """The quorum of the next step; a group behind the others gets their state here."""
+        t = self.trainer
+        seat = self.group.quorum()
+        if seat.healed_from is not None:
+            self.heals.append((seat.healed_from, seat.seconds))
+            t.hooks.on_state("healed", t.state.step, t.model, t.optimizer)
+        return seat
+
+    def who(self) -> str:
+        acc, seat = self.trainer.accelerator, self.seat
+        return (
+            f"replica group {self.args.replica_group_id}: {acc.num_processes} process{'es' if acc.num_processes > 1 else ''} "
+            f"({acc.distributed_type.value}), {seat.size} group{'s' if seat.size > 1 else ''} live"
+        )
+
+    def batch(self) -> str:
+        args = self.args
+        spares = f" (the first {args.training_replicas}; the others hot spares)" if args.training_replicas else ""
+        return f"{args.global_batch_size} samples per step split among the live groups{spares}"
+
+    def begin(self) -> Seat:
+        """The quorum of this try at the next step (the first one's came with restore)."""
+        if self.seat is None:
+            with self.trainer.watchdog.relaxed("the quorum"):  # bounded by quorum_timeout_seconds
+                self.seat = self.join_quorum()
+            if self.seat.healed_from is not None:  # it was behind the others (frozen, cut off)
+                self.trainer.bar.n = self.trainer.state.step
+        seat, self.seat = self.seat, None
+        self.seat_rank = seat.rank
+        return seat
+
+    def count(self, items: torch.Tensor) -> torch.Tensor:
+        """This group's items, summed over the quorum's groups."""
+        self.costs["ft/samples"] = self.trainer.shares.samples_read  # this process's share (a hot spare: none)
+        return self.group.sum(items.reshape(1)).reshape(())
+
+    def micro_batch(self, last: bool) -> contextlib.AbstractContextManager:
+        """The gradients of a group of several processes synced on the last micro-batch only, as accelerate does;
+        `gradient_accumulation_steps` is 1 (infra.accelerator), so the loss is not divided."""
+        acc = self.trainer.accelerator
+        return acc.no_sync(self.trainer.model) if acc.num_processes > 1 and not last else contextlib.nullcontext()
+
+    def gradients(self, step_loss: torch.Tensor, num_items_in_batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gradients and this rank's summed item losses, summed over the groups (one all-reduce)."""
+        self.trainer.watchdog.entering("the gradient all-reduce (across replica groups)")
+        summing = time.perf_counter()
+        loss_sum = self.group.sum_gradients(self.trainer.model, step_loss * num_items_in_batch)
+        self.costs["ft/gradient_sum_seconds"] = time.perf_counter() - summing
+        return loss_sum / num_items_in_batch, loss_sum
+
+    def commit(self) -> bool:
+        self.trainer.watchdog.entering("the commit")
+        committing = time.perf_counter()
+        committed = self.group.commit()
+        self.costs["ft/commit_seconds"] = time.perf_counter() - committing
+        return committed
+
+    def committed(self, seat: Seat) -> None:
+        """The quorum of a committed step: its size at every step, a change and a heal said in a line."""
+        self.short = False
+        spares = seat.size - seat.training(self.args.training_replicas)
+        metrics = {"ft/replicas": seat.size, "ft/spares": spares, "ft/quorum_seconds": seat.seconds, **self.costs}
+        if seat.id != self.quorum_id:  # another group left or joined (the same number of groups, maybe)
+            if self.live:
+                live = f"{seat.size} group{'s' if seat.size > 1 else ''} live (were {self.live}) from step {self.trainer.state.step}"
+                self.say(live + (f", {spares} of them hot spare{'s' if spares != 1 else ''}" if self.args.training_replicas else ""))
+            self.live, self.quorum_id = seat.size, seat.id
+        for step, seconds in self.heals:
+            self.group.tell(f"healed from a live group to step {step} in {seconds:.1f}s (xxh3 {self.group.loaded_digest})")
+            metrics |= {"ft/heal_seconds": seconds}
+        self.heals.clear()
+        self.trainer.tracker.log(metrics, step=self.trainer.state.step)
+
+    def not_committed(self, seat: Seat) -> None:
+        """A step that did not commit: with too few groups, a wait for more; else it is done again on the same samples."""
+        if seat.size < self.args.min_replicas:  # a quorum the commit refuses (the lighthouse's min_replicas is lower)
+            if not self.short:
+                live = f"{seat.size} group{'s' if seat.size > 1 else ''} live"
+                self.say(f"{live}, fewer than min_replicas={self.args.min_replicas}: waiting for more")
+            self.short = True
+            time.sleep(1.0)  # not a loop of quorums as fast as the lighthouse answers
+            return
+        self.redone += 1
+        step = self.trainer.state.step + 1
+        self.say(f"step {step} did not commit ({self.group.why_not()}): done again on the same samples")
+        self.trainer.tracker.log({"ft/steps_redone": self.redone}, step=step, again=True)
+
+    def say(self, line: str) -> None:
+        if self.trainer.accelerator.is_main_process:
+            self.trainer.bar.write(f"replica group {self.args.replica_group_id}: {line}")
+
+    def rolled_back(self) -> None:
+        self.group.set_step(self.trainer.state.step)
+
+    def export(self, export) -> None:
+        """The state every live group ends with (equal everywhere, bit for bit), and the model, by the group of rank 0."""
+        self.group.tell(f"final state of step {self.trainer.state.step} (xxh3 {digest(self.replica_state())})")
+        if self.seat_rank == 0:
+            export()
+        else:
+            self.trainer.accelerator.print(f"done: step {self.trainer.state.step}; the replica group of rank 0 exports the model")
+
+    def close(self) -> None:
+        self.group.shutdown()
