@@ -26,8 +26,6 @@ import torch
 from safetensors.torch import load_file
 
 from infra.arguments import TrainingArguments
-from infra.data import DataCursor, ResumableLoader
-from infra.data.steps import GlobalBatches
 from infra.distributed import FSDP_ON_CPU_ENV, LaunchError
 from infra.replicas import launch_problem
 from infra.replicas.quorum import Layout, Members, digest, misfit, torchft_id
@@ -55,32 +53,6 @@ COMMON = (
     *("--save_steps", "40", "--logging_steps", "20"),
 )
 TOLERANCE = 1e-5  # max |difference| of any weight to the plain run's (fault-free: 2.4e-7)
-
-
-class Shards(torch.utils.data.Dataset):
-    """Sample i is i, in shards of the given sizes."""
-
-    def __init__(self, sizes: list[int]):
-        self.shard_sizes = sizes
-
-    def __len__(self) -> int:
-        return sum(self.shard_sizes)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.tensor([i])
-
-
-def test_the_steps_global_batches_are_those_of_the_plain_loader_across_epochs():
-    """Step after step (rolling over epochs), what the groups split is what one process with the global batch as its
-    batch reads."""
-    dataset, size = Shards([32, 32, 20, 32]), 16
-    cursor, batches = DataCursor(), GlobalBatches(dataset, 42, 48, size)
-    plain = ResumableLoader(dataset, size, 42, 0, 1, DataCursor(), shuffle_window=48)
-    for _, expected in zip(range(30), plain, strict=False):  # 7 steps an epoch and 4 samples left out: 4 epochs and 2 steps
-        assert batches.ids(cursor).tolist() == expected.reshape(-1).tolist()
-        assert batches.read(batches.ids(cursor)).reshape(-1).tolist() == expected.reshape(-1).tolist()
-        batches.advance(cursor)
-    assert cursor.state_dict() == plain.cursor.state_dict() == {"epoch": 4, "samples_consumed": 32}
 
 
 @pytest.mark.parametrize(
@@ -223,6 +195,7 @@ def left_out_then_back(join_ms: int | None) -> list[list[str]]:
     cmd += ["--join_timeout_ms", str(join_ms)] if join_ms else []
     lighthouse = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
     live, stop, got = {"A", "B", "C"}, threading.Event(), {}
+    beater = None
     try:
         assert "lighthouse: serving at" in lighthouse.stdout.readline()
         client = LighthouseClient(f"http://127.0.0.1:{port}", connect_timeout=timedelta(seconds=10))
@@ -239,7 +212,8 @@ def left_out_then_back(join_ms: int | None) -> list[list[str]]:
             except TimeoutError:  # left out, and no quorum after
                 got[key] = None
 
-        threading.Thread(target=beat, daemon=True).start()
+        beater = threading.Thread(target=beat, daemon=True)
+        beater.start()
         time.sleep(0.3)
 
         def together(*asks):
@@ -265,6 +239,8 @@ def left_out_then_back(join_ms: int | None) -> list[list[str]]:
         return [got["A1"], got["A2"], got["A3"], got["C3"], got["B3"]]
     finally:
         stop.set()
+        if beater is not None:  # its last heartbeat answered before the lighthouse goes (else: a transport error in it)
+            beater.join(timeout=10)
         lighthouse.kill()
         lighthouse.wait(timeout=10)
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from infra.data import DataCursor, ResumableLoader
+from infra.data.steps import GlobalBatches
 from infra.shares import Seat, even, process_share, share
 
 
@@ -36,6 +37,19 @@ def test_the_even_split_is_what_each_rank_of_a_plain_run_reads(processes, micro,
         for rank, loader in enumerate(ranks):
             read = [next(loader).reshape(-1).tolist() for _ in range(accumulation)]
             assert read == [m.tolist() for m in even(ids, rank, processes, micro)]
+
+
+def test_the_steps_global_batches_are_those_of_the_plain_loader_across_epochs():
+    """Step after step (rolling over epochs), what the groups split is what one process with the global batch as its
+    batch reads."""
+    dataset, size = Shards([32, 32, 20, 32]), 16
+    cursor, batches = DataCursor(), GlobalBatches(dataset, 42, 48, size)
+    plain = ResumableLoader(dataset, size, 42, 0, 1, DataCursor(), shuffle_window=48)
+    for _, expected in zip(range(30), plain, strict=False):  # 7 steps an epoch and 4 samples left out: 4 epochs and 2 steps
+        assert batches.ids(cursor).tolist() == expected.reshape(-1).tolist()
+        assert batches.read(batches.ids(cursor)).reshape(-1).tolist() == expected.reshape(-1).tolist()
+        batches.advance(cursor)
+    assert cursor.state_dict() == plain.cursor.state_dict() == {"epoch": 4, "samples_consumed": 32}
 
 
 def gradient(parts: list[list[np.ndarray]], inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
