@@ -14,8 +14,10 @@ and one exit. Each phase is a method and each concern a component built in the c
     guard        infra.guard         non-finite steps: skip, roll back, stop
     metrics      infra.metrics       what is logged every logging_steps
     exporter     infra.export        final/ and its model card
-    stragglers                       infra.health
-    watchdog                         infra.hangs       a lost peer or a hung step: one line, forensics, exit
+    stragglers   infra.health        slow ranks named (and a job that saves and exits without them)
+    shares       infra.data.steps    what each process trains on at a step
+    combine      infra.combine       how the processes' gradients are combined, and whether a step counts
+    watch        infra.observers     the watchdog, goodput, progress, MLflow, the sample trace: told what happens
 
 Every flag is in `TrainingArguments`, one flat command line and YAML, made of the sections those
 components declare beside themselves.
@@ -64,6 +66,7 @@ from infra.lock import claim
 from infra.lora import check_engine
 from infra.memory import Setup, Shape
 from infra.metrics import EtaCheck, TrainMetrics
+from infra.observers import Observers
 from infra.optim import build_optimizer, build_scheduler
 from infra.preemption import Preemption, clear_stop_record, write_stop_record
 from infra.preflight import run_preflight
@@ -180,7 +183,6 @@ class Trainer:
         self.units_per_step = self.shares.samples_per_step * job.units_per_sample
 
         self.state = TrainState()
-        self.goodput = Goodput(self.own_dir, acc.is_main_process)
         self.retention = RetentionPolicy(args)
         self.exporter = Exporter(acc, args.output_dir, job.name, job.processor, job.task, config, adapter_only=job.adapter_only)
         self.checkpoints = CheckpointManager(
@@ -199,18 +201,15 @@ class Trainer:
         sources = [s.name for s in job.data.mixture.sources] if job.data.mixture and job.per_sample_losses else []
         self.metrics = TrainMetrics(acc, job.unit, job.flops_per_unit, compiled=args.torch_compile, sources=sources)
         peers = roster(acc)
-        self.watchdog = Watchdog(acc, self.own_dir, args.ddp_timeout, args.ddp_step_timeout, peers)
+        watchdog = Watchdog(acc, self.own_dir, args.ddp_timeout, args.ddp_step_timeout, peers)
+        self.watch = Observers(watchdog, Goodput(self.own_dir, acc.is_main_process), acc.is_main_process)
         hosts = [p.host for p in peers]
         window, factor, patience = args.straggler_window_steps, args.straggler_factor, args.straggler_patience
         self.stragglers = StragglerDetector(acc, self.model, hosts, window, factor, patience)
         # set by resume(): they depend on the checkpoint resumed from
-        self.tracker: MetricLogger | None = None
-        self.trace: SampleTrace | None = None
         self.run_id: str | None = None
         self.latest: dict[str, float] = {}  # the latest of each metric, eval included: checkpoints and keep_best read them
         self.facts: dict[str, Any] = {}  # versions, git state: recorded in every checkpoint
-        self.eta: EtaCheck | None = None
-        self.bar: tqdm | None = None
         self.step_started = time.monotonic()
         self.learning_rate = 0.0  # the rate of the last step taken: train/learning_rate
         self.combine.bind(self)  # last: it may read any of the above (a replica group's heal reads the model)
@@ -247,7 +246,7 @@ class Trainer:
             return 0
         self.resume(save_seconds)
         stop = None
-        with self.preemption.armed(), self.watchdog.explaining():
+        with self.preemption.armed(), self.watch.watchdog.explaining():
             while state.step < args.max_steps and stop is None:
                 result = self.step()
                 self.after_step(result)
@@ -262,10 +261,8 @@ class Trainer:
                 last = stop is not None or state.step == args.max_steps
                 if last or (result.save_due and self.guard.clean):  # no scheduled save amid non-finite steps
                     self.save(last=last)
-            self.bar.close()
-            if self.trace:
-                self.trace.close()
-            with self.watchdog.relaxed():
+            self.watch.loop_ended()
+            with self.watch.relaxed():
                 if stop is None:
                     self.export()
                 return self.close(stop)
@@ -292,7 +289,6 @@ class Trainer:
         MLflow run, and the loop's meters from that step."""
         acc, args, state = self.accelerator, self.args, self.state
         path, manifest = self.restore()
-        self.goodput.resume(manifest)
         self.clock.restart()
         if save_seconds and args.save_interval_minutes == "auto":  # Young/Daly from the preflight's save, not a default
             acc.print(f"a save takes {save_seconds:.1f}s: saving every {self.clock.saved(save_seconds):.1f} min (Young/Daly)")
@@ -309,17 +305,21 @@ class Trainer:
             )
             if acc.is_main_process:
                 self.log_forensics()
-                self.watchdog.on_exit = lambda line: self.log_forensics()  # a surviving rank 0 logs its own at once
+                self.watch.watchdog.on_exit = lambda line: self.log_forensics()  # a surviving rank 0 logs its own at once
         # steps logged after the checkpoint and before a crash come again, identical: not twice in the run
-        self.tracker = MetricLogger(self.run_id, f"{self.own_dir}/unsent_metrics.jsonl", logged_through=last_logged_step(self.run_id))
+        tracker = MetricLogger(self.run_id, f"{self.own_dir}/unsent_metrics.jsonl", logged_through=last_logged_step(self.run_id))
         acc.print(self.start_line(path))
-        traced = self.data_args.trace_samples
-        self.trace = SampleTrace(self.own_dir, acc.process_index, state.step, acc.num_processes) if traced else None
         self.latest = manifest.get("metrics", {})
         self.facts = environment_facts(acc)  # versions, git state: once, not at every save
         self.shares.start()
-        self.eta = EtaCheck(acc, state.step, args.max_steps, self.units_per_step, args.time_budget_hours, unit=self.job.unit)
-        self.bar = tqdm(total=args.max_steps, initial=state.step, desc="train", disable=not acc.is_local_main_process)
+        self.watch.resumed(
+            manifest,
+            tracker,
+            (lambda step: SampleTrace(self.own_dir, acc.process_index, step, acc.num_processes)) if self.data_args.trace_samples else None,
+            state.step,
+            tqdm(total=args.max_steps, initial=state.step, desc="train", disable=not acc.is_local_main_process),
+            EtaCheck(acc, state.step, args.max_steps, self.units_per_step, args.time_budget_hours, unit=self.job.unit),
+        )
         self.model.train()
 
     def restore(self) -> tuple[str | None, dict]:
@@ -371,12 +371,11 @@ class Trainer:
         unless a rank saw a non-finite value. None: it did not count (nothing of it kept)."""
         acc, args, state = self.accelerator, self.args, self.state
         self.step_started = time.monotonic()
-        self.goodput.first_step()
-        self.watchdog.entering("data")
+        self.watch.step_began()
         micros = self.read(seat)
-        self.watchdog.entering(self.combine.items_where)
+        self.watch.entering(self.combine.items_where)
         items = self.count_items([m.batch for m in micros if m.batch is not None])
-        self.watchdog.entering(self.combine.backward_where)
+        self.watch.entering(self.combine.backward_where)
         # each micro-batch's summed loss over this: DDP, ZeRO and FSDP average the ranks' gradients, and accelerate
         # divides each micro-batch's by the accumulation steps, so the sum of all is divided by `items` exactly once
         num_items_in_batch = items / (acc.num_processes * args.gradient_accumulation_steps)
@@ -389,14 +388,14 @@ class Trainer:
             self.metrics.end_step(keep=False)  # the recipe's metrics of a try that did not count
             return None
         result = self.update(loss, loss_sum, items, grad_norm)
-        self.shares.committed(state.step, self.trace)
+        self.shares.committed(state.step, self.watch.trace)
         self.combine.committed(seat)
         return result
 
     def read(self, seat: Seat) -> list[Micro]:
         """This process's micro-batches of the next step on the device; the wait is timed."""
         waiting = time.perf_counter()
-        taken = self.shares.take(seat, self.state.step, self.trace)
+        taken = self.shares.take(seat, self.state.step, self.watch.trace)
         micros = [m if m.batch is None else m._replace(batch=to_device(m.batch, self.accelerator.device)) for m in taken]
         waited = time.perf_counter() - waiting
         self.metrics.meter.waited(waited)
@@ -451,7 +450,7 @@ class Trainer:
         """The end of a step whose gradients are ready: the ranks' agreement, then the update unless some rank saw a
         non-finite `loss` or gradient; the counters. `loss_sum` is this rank's summed item losses, `items` the step's."""
         state = self.state
-        self.watchdog.entering("the step agreement's all-reduce")
+        self.watch.entering("the step agreement's all-reduce")
         agreed = self.consensus.agree(state.step + 1, self.guard.flag(loss, grad_norm))
         steps = self.guard.record(agreed.nonfinite, state)
         if not agreed.nonfinite:
@@ -480,50 +479,37 @@ class Trainer:
         return self.combine.count(items)
 
     def after_step(self, result: StepResult) -> None:
-        """Progress, the test hooks, the watchdog, the pace after the first steps, a skipped step's count."""
+        """The test hooks, then the observers: progress, the watchdog, the pace after the first steps, a skipped step's count."""
         step = self.state.step
-        self.bar.update()
         self.hooks.on_step_end(step)
-        self.watchdog.beat(step, time.monotonic() - self.step_started)
-        if pace := self.eta.step(step):
-            self.tracker.log(pace, step=step)
-        if result.skipped:
-            self.tracker.log({"health/skipped_steps": self.state.skipped_steps}, step=step)
+        self.watch.step_ended(step, time.monotonic() - self.step_started, self.state.skipped_steps if result.skipped else None)
 
     def roll_back(self) -> None:
         """After max_bad_steps non-finite steps in a row: the guard reloads the newest checkpoint (or stops); the loop's
         window starts again from its step."""
-        manifest = self.guard.act(self.state, self.cursor, self.watchdog.relaxed)
-        self.goodput.rolled_back(manifest)
+        manifest = self.guard.act(self.state, self.cursor, self.watch.relaxed)
         self.latest = manifest.get("metrics", {})
-        self.tracker.log({"health/rollbacks": self.state.rollbacks}, step=self.state.step)
         self.metrics.reset_loss()
-        self.bar.n = self.state.step
-        if self.trace:
-            self.trace.close()
-            self.trace = SampleTrace(self.own_dir, self.accelerator.process_index, self.state.step, self.accelerator.num_processes)
+        self.watch.rolled_back(manifest, self.state.step, self.state.rollbacks)
         self.combine.rolled_back()
 
     def log(self, result: StepResult) -> None:
         state = self.state
         logged, mean_loss = self.metrics.collect(self.learning_rate, state.tokens_seen, self.cursor.epoch, result.grad_norm)
-        self.tracker.log(self.goodput.metrics(), step=state.step, again=True)  # a step done again after a fault cost more
-        self.goodput.alive()
         for name, samples in self.cursor.taken().items():  # a mixture's sources so far: known from the position, no collective
             logged[f"train/samples/{name}"] = samples
             logged[f"train/{self.job.unit}_seen/{name}"] = samples * self.job.units_per_sample
-        self.tracker.log(logged, step=state.step)
         self.latest |= logged
         unit = self.job.unit
         rate = logged.get(f"perf/{unit}_per_second")  # none in a window of one compiling step
-        self.bar.set_postfix({"loss": f"{mean_loss:.3f}", **({f"{unit}/s": f"{rate:.0f}"} if rate is not None else {})})
+        self.watch.logged(logged, state.step, {"loss": f"{mean_loss:.3f}", **({f"{unit}/s": f"{rate:.0f}"} if rate is not None else {})})
 
     def stop_reason(self, result: StepResult) -> dict | None:
         """Why to save and stop after this step (the stop record), or None: a preemption, or a straggler to exclude.
         Decided from agreed or gathered values: the same on every rank."""
         ratios, report, slow = self.stragglers.step()
         if ratios:
-            self.tracker.log(ratios, step=self.state.step)
+            self.watch.log(ratios, step=self.state.step)
         if report:
             self.accelerator.print(report)
         if result.preempted:
@@ -542,16 +528,15 @@ class Trainer:
         acc = self.accelerator
         self.model.eval()
         held_out = self.job.data.held_out
-        with torch.no_grad(), self.watchdog.relaxed(), self.goodput.stall("eval"):
+        with torch.no_grad(), self.watch.stalled("eval"):
             scores = self.job.evaluate(acc, self.model, self.eval_batches(held_out))
             for name, part in named_parts(held_out):  # a mixture's sources' held-out samples alone: eval/loss/<name>, ...
                 if len(part) >= acc.num_processes:
                     scores |= {f"{k}/{name}": v for k, v in self.job.evaluate(acc, self.model, self.eval_batches(part)).items()}
         self.model.train()
         self.latest.update(scores)  # kept until the next eval: keep_best may rank checkpoints by an eval/ metric
-        self.tracker.log(scores, step=self.state.step)
-        if acc.is_main_process:
-            self.bar.write(f"step {self.state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
+        self.watch.log(scores, step=self.state.step)
+        self.watch.say(f"step {self.state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
         return scores
 
     def eval_batches(self, dataset) -> Iterator[Batch]:
@@ -563,17 +548,16 @@ class Trainer:
         """A checkpoint of this step (in the background with async_save, except the last one), and its cost logged. With
         replica groups, by the group of rank 0 in the quorum only: every group holds the same state."""
         args, state = self.args, self.state
-        if self.trace:
-            self.trace.flush()
+        self.watch.saving()
         if not self.combine.saves:
             return
         start = time.perf_counter()
         # a copy of the metrics: a background save writes its manifest later, while the loop goes on updating them
         facts = {**state.state_dict(), "cursor": self.cursor.state_dict(), "metrics": dict(self.latest), "mlflow_run_id": self.run_id}
-        facts["goodput"] = self.goodput.ledger()  # the time history of these weights (infra.goodput)
+        facts["goodput"] = self.watch.goodput.ledger()  # the time history of these weights (infra.goodput)
         facts["companions"] = {name: c.source for name, c in self.job.companions.items()}  # not saved: rebuilt from these
         try:
-            with self.watchdog.relaxed(), self.goodput.stall("checkpoint"):  # a long synchronous save is not a hang
+            with self.watch.stalled("checkpoint"):  # a long synchronous save is not a hang
                 self.checkpoints.save(state.step, {**facts, **self.facts}, background=args.async_save and not last)
         except CheckpointError as err:  # a full disk, say: the run stops rather than train on with nothing saved
             if self.accelerator.is_main_process:
@@ -584,7 +568,7 @@ class Trainer:
         self.hooks.on_state("saved", state.step, self.model, self.optimizer)
         if (minutes := self.clock.saved(seconds)) is not None:
             self.accelerator.print(f"a save takes {seconds:.1f}s: saving every {minutes:.1f} min (Young/Daly, MTBF {args.mtbf_hours:g} h)")
-        self.tracker.log({"checkpoint/save_seconds": seconds, "checkpoint/interval_minutes": self.clock.interval / 60}, step=state.step)
+        self.watch.log({"checkpoint/save_seconds": seconds, "checkpoint/interval_minutes": self.clock.interval / 60}, step=state.step)
 
     def export(self) -> None:
         """At max_steps: final/, loadable with from_pretrained (a replica group's: by the group of rank 0)."""
@@ -613,11 +597,7 @@ class Trainer:
                     f"straggler: saved step {state.step}; exiting with code {STRAGGLER_EXIT_CODE} so the job restarts without the slow rank"
                 )
         self.checkpoints.close()  # the last upload done
-        self.watchdog.stop()
-        goodput = self.goodput.metrics()
-        self.tracker.log(goodput, step=state.step, again=True)
-        self.goodput.alive(finished=stop is None)
-        self.tracker.close()
+        goodput = self.watch.closed(state.step, finished=stop is None)
         if stop is None and self.args.log_model:
             self.exporter.log_to_mlflow(self.args.register_model)
         end_run("FINISHED" if stop is None else "KILLED")

@@ -48,7 +48,7 @@ class QuorumSum:
         # Inside a step a rank may wait on the other groups for up to replica_timeout_seconds (a sum, the commit), and
         # torchft can keep its stamp thread from running meanwhile: the group's own watchdog allows for that before it
         # takes a silent rank of the group for lost. The other groups leave this one out after that timeout anyway.
-        trainer.watchdog.floor = 2 * trainer.args.replica_timeout_seconds + SILENT_AFTER
+        trainer.watch.watchdog.floor = 2 * trainer.args.replica_timeout_seconds + SILENT_AFTER
 
     @property
     def saves(self) -> bool:
@@ -121,10 +121,10 @@ class QuorumSum:
     def begin(self) -> Seat:
         """The quorum of this try at the next step (the first one's came with restore)."""
         if self.seat is None:
-            with self.trainer.watchdog.relaxed("the quorum"):  # bounded by quorum_timeout_seconds
+            with self.trainer.watch.relaxed("the quorum"):  # bounded by quorum_timeout_seconds
                 self.seat = self.join_quorum()
             if self.seat.healed_from is not None:  # it was behind the others (frozen, cut off)
-                self.trainer.bar.n = self.trainer.state.step
+                self.trainer.watch.bar.n = self.trainer.state.step
         seat, self.seat = self.seat, None
         self.seat_rank = seat.rank
         return seat
@@ -142,14 +142,14 @@ class QuorumSum:
 
     def gradients(self, step_loss: torch.Tensor, num_items_in_batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The gradients and this rank's summed item losses, summed over the groups (one all-reduce)."""
-        self.trainer.watchdog.entering("the gradient all-reduce (across replica groups)")
+        self.trainer.watch.entering("the gradient all-reduce (across replica groups)")
         summing = time.perf_counter()
         loss_sum = self.group.sum_gradients(self.trainer.model, step_loss * num_items_in_batch)
         self.costs["ft/gradient_sum_seconds"] = time.perf_counter() - summing
         return loss_sum / num_items_in_batch, loss_sum
 
     def commit(self) -> bool:
-        self.trainer.watchdog.entering("the commit")
+        self.trainer.watch.entering("the commit")
         committing = time.perf_counter()
         committed = self.group.commit()
         self.costs["ft/commit_seconds"] = time.perf_counter() - committing
@@ -169,7 +169,7 @@ class QuorumSum:
             self.group.tell(f"healed from a live group to step {step} in {seconds:.1f}s (xxh3 {self.group.loaded_digest})")
             metrics |= {"ft/heal_seconds": seconds}
         self.heals.clear()
-        self.trainer.tracker.log(metrics, step=self.trainer.state.step)
+        self.trainer.watch.log(metrics, step=self.trainer.state.step)
 
     def not_committed(self, seat: Seat) -> None:
         """A step that did not commit: with too few groups, a wait for more; else it is done again on the same samples."""
@@ -183,11 +183,10 @@ class QuorumSum:
         self.redone += 1
         step = self.trainer.state.step + 1
         self.say(f"step {step} did not commit ({self.group.why_not()}): done again on the same samples")
-        self.trainer.tracker.log({"ft/steps_redone": self.redone}, step=step, again=True)
+        self.trainer.watch.log({"ft/steps_redone": self.redone}, step=step, again=True)
 
     def say(self, line: str) -> None:
-        if self.trainer.accelerator.is_main_process:
-            self.trainer.bar.write(f"replica group {self.args.replica_group_id}: {line}")
+        self.trainer.watch.say(f"replica group {self.args.replica_group_id}: {line}")
 
     def rolled_back(self) -> None:
         self.group.set_step(self.trainer.state.step)
