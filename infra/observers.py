@@ -76,9 +76,9 @@ class Observers:
         with self.watchdog.relaxed(), self.goodput.stall(kind):
             yield
 
-    def relaxed(self, what: str = "checkpoint or evaluation") -> contextlib.AbstractContextManager:
-        """A wait that is no hang, and no time of its own (a quorum, an export)."""
-        return self.watchdog.relaxed(what)
+    def relaxed(self, *what: str) -> contextlib.AbstractContextManager:
+        """A wait that is no hang, and no time of its own (a quorum, an export); `what` as the watchdog takes it."""
+        return self.watchdog.relaxed(*what)
 
     def rolled_back(self, manifest: dict, step: int, rollbacks: int) -> None:
         """Back to the checkpoint of `step`: its goodput ledger, the bar, and the trace from there."""
