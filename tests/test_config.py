@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 
 import pytest
 
 from infra.arguments import TrainingArguments
 from infra.config import ConfigError, _parse, flatten, resolved
+from tests import recipe_forks
 from tests.conftest import REPO
 
 
@@ -98,12 +97,10 @@ def test_recipe_refuses_bad_config_in_one_line_and_creates_nothing(tmp_path, yam
     cfg = write(tmp_path, yaml_text) if yaml_text is not None else str(tmp_path / "missing.yaml")
     out = tmp_path / "out"
     env_store = tmp_path / "mlflow.db"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "recipes" / "pretrain_clm.py"), "--config", cfg, "--output_dir", str(out), *extra],
+    proc = recipe_forks.run(
+        REPO / "recipes" / "pretrain_clm.py",
+        ["--config", cfg, "--output_dir", str(out), *extra],
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
         env={"MLFLOW_TRACKING_URI": f"sqlite:///{env_store}", "PATH": ""},
     )
     assert proc.returncode == 2

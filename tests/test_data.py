@@ -268,20 +268,17 @@ def test_packed_dataset_reads_the_same_through_workers_and_bounds_open_shards(ti
 
 def test_the_recipe_refuses_damaged_data_and_writes_nothing(tmp_path, tiny_data):
     import shutil
-    import subprocess
-    import sys
 
+    from tests import recipe_forks
     from tests.conftest import REPO
 
     data = tmp_path / "data"
     shutil.copytree(tiny_data, data)
     (data / "shard_00002.npy").unlink()
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "recipes" / "pretrain_clm.py"), "--data_dir", str(data), "--output_dir", str(tmp_path / "out")],
-        capture_output=True,
-        text=True,
+    proc = recipe_forks.run(
+        REPO / "recipes" / "pretrain_clm.py",
+        ["--data_dir", str(data), "--output_dir", str(tmp_path / "out")],
         env={"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "PATH": "/usr/bin:/bin"},
-        timeout=300,
     )
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1] == f"data error: {data / 'shard_00002.npy'} is listed in index.json but missing"

@@ -20,6 +20,7 @@ from infra.data import PackedDataset
 from infra.data.tasks import TaskArguments, prepare_task
 from infra.job import Companion
 from recipes.dpo_clm import DPOLoss
+from tests import recipe_forks
 from tests.conftest import REPO, free_port, stdlib_triples, write_jsonl
 from tests.test_recipes import STEPS, recipe_args, straight_then_resumed
 
@@ -188,8 +189,8 @@ def test_a_triple_without_both_answers_is_refused(change, message, dpo_clm_input
         rows[3] |= change
     source = write_jsonl(tmp_path / "triples.jsonl", rows)
     tokenizer = dpo_clm_inputs[0] / "tokenizer"
-    command = [sys.executable, "-m", "infra.data.tasks", "--task", "dpo", "--source", str(source), "--tokenizer", str(tokenizer)]
-    proc = subprocess.run([*command, "--output_dir", str(tmp_path / "data")], capture_output=True, text=True, cwd=REPO, timeout=120)
+    args = ["--task", "dpo", "--source", str(source), "--tokenizer", str(tokenizer), "--output_dir", str(tmp_path / "data")]
+    proc = recipe_forks.run("-m infra.data.tasks", args, env=dict(os.environ))
     errors = [line for line in proc.stderr.splitlines() if "error" in line]  # the progress bar's last state may follow it
     assert proc.returncode == 2 and len(errors) == 1 and errors[0].startswith("prepare error: ") and message in errors[0], proc.stderr
     assert not (tmp_path / "data").exists() and not (tmp_path / "data.partial").exists()
@@ -207,9 +208,7 @@ def test_a_bad_beta_or_reference_stops_the_recipe_in_one_line(flags, line, dpo_c
     out = tmp_path / "out"
     args = [*recipe_args("dpo_clm", data, out, STEPS, extra), "--report_to", "none", *flags]
     env = {"PATH": "", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "recipes" / "dpo_clm.py"), *args], capture_output=True, text=True, env=env, timeout=120
-    )
+    proc = recipe_forks.run(REPO / "recipes" / "dpo_clm.py", args, env=env)
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1].startswith(line), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and not out.exists()
@@ -226,9 +225,7 @@ def test_reference_scores_are_written_only_under_the_output_dir_s_lock(dpo_clm_i
     args = [*recipe_args("dpo_clm", data, out, STEPS, extra), "--report_to", "none", "--precompute_ref_log_probs", "true"]
     env = {"PATH": "", "HF_HUB_OFFLINE": "1"}
     try:
-        proc = subprocess.run(
-            [sys.executable, str(REPO / "recipes" / "dpo_clm.py"), *args], capture_output=True, text=True, env=env, timeout=120
-        )
+        proc = recipe_forks.run(REPO / "recipes" / "dpo_clm.py", args, env=env)
     finally:
         held.release()
     assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith("output_dir error: "), proc.stderr[-2000:]

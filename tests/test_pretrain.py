@@ -287,8 +287,10 @@ def kill_all(proc: subprocess.Popen) -> None:
     psutil.wait_procs(every, timeout=30)
 
 
-def test_killed_launches_resume_to_the_same_weights(straight, small_data, tmp_path):
-    """kill -9 of the whole launch, once inside a save and once between saves; relaunching ends as the straight run."""
+def test_killed_launches_and_a_corrupt_newest_checkpoint_resume_to_the_same_weights(straight, small_data, tmp_path):
+    """kill -9 of the whole launch, once inside a save and once between saves, then the newest checkpoint corrupted (one
+    bit of a file that rank 1 verifies, so rank 0 must hear of it): relaunching falls back to the checkpoint before and
+    ends as the straight run."""
     out, ckpts = tmp_path / "out", tmp_path / "out" / "checkpoints"
     args = recipe_args(small_data, out, 2 * STEPS)
 
@@ -302,8 +304,17 @@ def test_killed_launches_resume_to_the_same_weights(straight, small_data, tmp_pa
     wait_for(lambda: (ckpts / "step_00000008" / "manifest.json").exists(), second)
     kill_all(second)
 
+    *_, before, newest = sorted(ckpts.glob("step_*"))  # the kill may come after the next save's commit
+    files = read_manifest(newest)["files"]
+    assert "model.safetensors" in share({rel: e["size"] for rel, e in files.items()}, 2)[1]  # rank 1 checks it
+    raw = bytearray((newest / "model.safetensors").read_bytes())
+    raw[-100] ^= 0x10
+    (newest / "model.safetensors").write_bytes(bytes(raw))
+
     last = launch("cpu.yaml", args, tmp_path)
-    assert last.returncode == 0 and "resumed at step" in last.stdout
+    assert last.returncode == 0
+    assert f"skipping checkpoint {newest}: model.safetensors does not match its checksum" in last.stdout
+    assert f"resumed at step {int(before.name.removeprefix('step_'))}" in last.stdout
     assert_same_weights(straight[0] / "out", out)
     for rank in (0, 1):
         assert trace(out, rank) == trace(straight[0] / "out", rank)
@@ -316,23 +327,6 @@ def test_killed_launches_resume_to_the_same_weights(straight, small_data, tmp_pa
     assert [m.step for m in sorted(client.get_metric_history(run.info.run_id, "train/loss"), key=lambda m: m.step)] == list(
         range(2, 2 * STEPS + 1, 2)
     )
-
-
-def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(straight, small_data, tmp_path):
-    out = tmp_path / "out"
-    first = launch("cpu.yaml", recipe_args(small_data, out, 2 * STEPS - 4, "--report_to", "none", "--save_total_limit", "3"), tmp_path)
-    assert first.returncode == 0
-    newest = out / "checkpoints" / f"step_{2 * STEPS - 4:08d}" / "model.safetensors"
-    files = read_manifest(newest.parent)["files"]
-    assert "model.safetensors" in share({rel: e["size"] for rel, e in files.items()}, 2)[1]  # rank 1 checks it, rank 0 must hear
-    raw = bytearray(newest.read_bytes())
-    raw[-100] ^= 0x10
-    newest.write_bytes(bytes(raw))
-    resumed = launch("cpu.yaml", recipe_args(small_data, out, 2 * STEPS, "--report_to", "none"), tmp_path)
-    assert resumed.returncode == 0
-    assert f"skipping checkpoint {newest.parent}: model.safetensors does not match its checksum" in resumed.stdout
-    assert f"resumed at step {2 * STEPS - 8}" in resumed.stdout
-    assert_same_weights(straight[0] / "out", out)
 
 
 @pytest.mark.slow  # minutes: out of the quick suite; CI runs it after the matrix (make test-ci-slow)
@@ -431,36 +425,28 @@ def test_elastic_restarts_stress(straight, small_data, tmp_path, repetition):
     assert_same_weights(straight[0] / "out", tmp_path / "out")
 
 
-def test_data_on_object_storage_trains_to_the_same_weights(straight, small_data, s3, tmp_path):
-    """The same data served from an S3-compatible server (moto on 127.0.0.1): same samples, same weights, bit for bit."""
+def test_data_and_checkpoints_on_object_storage_resume_on_an_empty_disk(straight, small_data, s3, tmp_path):
+    """Data served from an S3-compatible server (moto on 127.0.0.1), fetched and verified; each checkpoint uploaded
+    there and pruned there as here; the newest remote one truncated, the local output_dir deleted: a fresh launch
+    reports the truncated one, downloads the one before, and ends bit for bit where the uninterrupted run did, each
+    step on the samples it took."""
     fs, bucket = s3
     fs.put(str(small_data), f"{bucket}/small", recursive=True)
-    out = tmp_path / "out"
-    args = recipe_args(f"s3://{bucket}/small", out, 2 * STEPS, "--num_workers", "1", "--verify_data_checksums", "--report_to", "none")
-    proc = launch("cpu.yaml", args, tmp_path)
-    assert proc.returncode == 0
-    assert "sizes and sha256 verified" in proc.stdout  # the preflight fetched and hashed every shard
-    straight_tmp, _ = straight
-    assert_same_weights(straight_tmp / "out", out)
-    for rank in (0, 1):
-        assert trace(out, rank) == trace(straight_tmp / "out", rank)
-
-
-def test_checkpoints_on_object_storage_resume_on_an_empty_disk(straight, small_data, s3, tmp_path):
-    """Each checkpoint uploaded (moto's S3 on 127.0.0.1) and pruned there as here; the newest remote one truncated; the
-    local output_dir deleted: a fresh launch reports the truncated one, downloads the one before, and ends bit for bit
-    where the uninterrupted run did."""
-    fs, bucket = s3
     url, out = f"s3://{bucket}/run/checkpoints", tmp_path / "out"
 
     def args(steps: int) -> list[str]:
-        return recipe_args(small_data, out, steps, "--checkpoint_upload_dir", url, "--report_to", "none")
+        data = f"s3://{bucket}/small"
+        return recipe_args(
+            data, out, steps, "--num_workers", "1", "--verify_data_checksums", "--checkpoint_upload_dir", url, "--report_to", "none"
+        )
 
     first = launch("cpu.yaml", args(STEPS), tmp_path)
     assert first.returncode == 0 and f"uploaded step_{STEPS:08d} to {url}" in first.stdout
+    assert "sizes and sha256 verified" in first.stdout  # the preflight fetched and hashed every shard
     local = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
     assert local == [f"step_{STEPS - 4:08d}", f"step_{STEPS:08d}"]  # save_total_limit: 2
     assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/run/checkpoints")) == local
+    before = [trace(out, rank) for rank in (0, 1)]
     newest = f"{bucket}/run/checkpoints/step_{STEPS:08d}/model.safetensors"
     fs.pipe(newest, fs.cat(newest)[:1000])
     shutil.rmtree(out)
@@ -469,6 +455,10 @@ def test_checkpoints_on_object_storage_resume_on_an_empty_disk(straight, small_d
     assert f"warning: skipping remote checkpoint {url}/step_{STEPS:08d}: model.safetensors has 1000 bytes" in second.stdout
     assert f"resumed at step {STEPS - 4}" in second.stdout
     assert_same_weights(straight[0] / "out", out)
+    for rank in (0, 1):
+        expected = trace(straight[0] / "out", rank)
+        assert before[rank] == expected[: len(before[rank])] and before[rank][-1]["step"] == STEPS
+        assert trace(out, rank) == [line for line in expected if line["step"] > STEPS - 4]
 
 
 # Weighted data mixtures (infra.data.mixture; the order itself: tests/test_mixture.py)

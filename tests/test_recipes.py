@@ -25,6 +25,7 @@ from infra.data.tasks import (
 )
 from infra.distributed import FSDP_ON_CPU_ENV
 from infra.metrics import classification_scores
+from tests import recipe_forks
 from tests.conftest import REPO, launch, write_jsonl
 
 STEPS = 6
@@ -231,9 +232,6 @@ def assert_export_equals_final(out: Path, step: int, exported: Path, auto_class:
 )
 def test_a_model_that_cannot_be_loaded_stops_the_recipe_in_one_line(recipe, model, request, tmp_path):
     """A path that does not exist, a name that is no hub id, a folder without a model: one line, exit 1, nothing written."""
-    import subprocess
-    import sys
-
     data, extra = request.getfixturevalue(f"{recipe}_inputs")
     if model == "empty":
         (tmp_path / "empty").mkdir()
@@ -241,9 +239,7 @@ def test_a_model_that_cannot_be_loaded_stops_the_recipe_in_one_line(recipe, mode
     out = tmp_path / "out"
     args = [*recipe_args(recipe, data, out, STEPS, extra), "--model_name_or_path", model, "--report_to", "none"]
     env = {"PATH": "", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "recipes" / f"{recipe}.py"), *args], capture_output=True, text=True, env=env, timeout=120
-    )
+    proc = recipe_forks.run(REPO / "recipes" / f"{recipe}.py", args, env=env)
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("model error: "), proc.stderr[-2000:]
