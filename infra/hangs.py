@@ -107,6 +107,15 @@ def bounded(call: Callable[[], object], seconds: float) -> tuple[bool, object]:
     return ok, value
 
 
+def own_line(line: str) -> str:
+    """`line`, after a line break when a progress bar of this process is drawn: a bar ends its line only when it is
+    drawn again, and a line printed from another thread as the process exits was glued to the bar's last state."""
+    from tqdm import tqdm
+
+    drawn = any(not bar.disable for bar in list(getattr(tqdm, "_instances", ())))
+    return f"\n{line}" if drawn else line
+
+
 def _catch(call):
     try:
         return True, call()
@@ -328,7 +337,7 @@ class Watchdog:
         if self.on_exit is not None:
             with contextlib.suppress(Exception):
                 bounded(lambda: self.on_exit(line), STORE_WAIT)
-        print(line, file=sys.stderr, flush=True)
+        print(own_line(line), file=sys.stderr, flush=True)
         with contextlib.suppress(Exception):
             tell_launcher(self.rank, PEER_LOST_EXIT_CODE, line)
         os._exit(PEER_LOST_EXIT_CODE)

@@ -177,3 +177,21 @@ def test_only_a_collectives_error_is_taken_for_a_lost_peer(tmp_path, monkeypatch
 def test_a_reset_without_an_address_names_no_one(tmp_path):
     finding = watchdog(tmp_path).from_error("Broken pipe")
     assert finding["lost"] == [] and "a peer closed its connection" in finding["message"]
+
+
+def test_the_line_a_watchdog_exits_with_starts_a_line_of_its_own_below_a_progress_bar():
+    """The bar ends its line only when drawn again: the peer-lost line of a dead link was glued to `train: 17%|...]`."""
+    import io
+
+    from tqdm.auto import tqdm
+
+    from infra.hangs import own_line
+
+    assert own_line("peer lost (no answer): x") == "peer lost (no answer): x"
+    bar = tqdm(total=4, file=io.StringIO())
+    bar.update(1)
+    assert own_line("peer lost (no answer): x") == "\npeer lost (no answer): x"
+    bar.close()
+    assert own_line("peer lost (no answer): x") == "peer lost (no answer): x"
+    with tqdm(total=4, file=io.StringIO(), disable=True):  # another rank's: no bar drawn
+        assert own_line("y") == "y"
