@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import psutil
 import pytest
@@ -226,9 +227,10 @@ def line_of(log: str, start: str) -> str:
 def restarts_recover(straight, small_data, tmp_path, kills: int) -> None:
     """`kills` times in a row, the training process of one host (each in turn) killed a second after the group formed
     again; the launchers' in-job restarts (`--max_restarts`) must bring it back every time, and the run end as the
-    uninterrupted one."""
+    uninterrupted one. One fault costs one restart: each host's agent (its log at INFO) restarted its group once a kill,
+    the killed host's as the other's (whose rank stopped for the lost peer), never twice."""
     out = tmp_path / "out"
-    with Hosts(2) as hosts:
+    with Hosts(2) as hosts, mock.patch.dict(os.environ, {"LOGLEVEL": "INFO"}):
         job = Job(hosts, small_data, tmp_path, "restarts", {"rank": "all", "slow_seconds": 0.25}, restarts=kills)
         job.wait_for_checkpoint(4)
         for kill in range(kills):
@@ -246,6 +248,8 @@ def restarts_recover(straight, small_data, tmp_path, kills: int) -> None:
         job.finish()
     log = job.log(0)
     assert log.count("world size 2 (MULTI_CPU)") == kills + 1 and "Connection refused" not in log + job.log(1)
+    for host in (0, 1):
+        assert job.log(host).count("attempts left; will restart worker group") == kills, job.log(host)[-3000:]
     assert_same_weights(straight[0] / "out", out)
     for rank in (0, 1):
         assert trace(out, rank) == trace(straight[0] / "out", rank)
