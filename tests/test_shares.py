@@ -9,7 +9,7 @@ import torch
 
 from infra.data import DataCursor, ResumableLoader
 from infra.data.steps import GlobalBatches
-from infra.shares import Seat, even, process_share, share
+from infra.shares import Seat, SizeSchedule, even, process_share, share, sizes_by_speed, sliced
 
 
 class Shards(torch.utils.data.Dataset):
@@ -78,6 +78,7 @@ def test_every_split_trains_on_the_even_splits_samples_once_each_with_its_gradie
     expected = gradient(reference, inputs, targets)
     splits = {"even over 4": [even(ids, r, 4, 2) for r in range(4)], "even over 1": [even(ids, 0, 1, 8)]}
     splits |= {f"share over {n}, micro {m}": [share(ids, s, n, m) for s in range(n)] for n in (1, 3, 5, 7, 24) for m in (1, 4)}
+    splits |= {f"sliced {sizes}": [sliced(ids, r, sizes) for r in range(len(sizes))] for sizes in ([1, 7], [5, 3], [2, 2, 4], [1, 1, 1, 5])}
     for size, training in ((3, 3), (3, 2), (4, 1)):  # replica groups of 2 processes, hot spares past `training`
         splits[f"quorum {size}, {training} training"] = [process_share(ids, g, training, p, 2, 4) for g in range(size) for p in range(2)]
     for name, parts in splits.items():
@@ -113,3 +114,73 @@ def test_the_training_groups_split_the_step_and_hot_spares_get_nothing_at_every_
         read = [m for (rank, _), micro in sorted(parts.items()) if rank < training for m in micro]
         assert np.array_equal(np.concatenate(read), ids)  # in order, each once
         assert all(parts[rank, p] == [] for rank in range(training, size) for p in range(processes))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_each_rank_reads_its_size_of_every_global_batch_as_the_schedule_says_across_epochs(workers):
+    """Sizes changed from a position on, before the loaders start and while they read (past what they read ahead): each
+    rank's batch is its slice of that position's global batch, so the ranks together read the plain loader's samples,
+    each once, in order, whatever the sizes."""
+    dataset, processes, micro = Shards([32, 32, 20, 32]), 3, 4
+    whole = iter(ResumableLoader(dataset, processes * micro, 7, 0, 1, DataCursor(), shuffle_window=24))
+    loaders = [
+        ResumableLoader(dataset, micro, 7, r, processes, DataCursor(), num_workers=workers, shuffle_window=24) for r in range(processes)
+    ]
+    for loader in loaders:  # one schedule each, as every process holds its own copy of the same decisions
+        loader.schedule.change(3, [2, 4, 6])
+        loader.schedule.change(9, [1, 1, 10])
+    ranks = [iter(loader) for loader in loaders]
+    for position in range(30):  # 9 global batches an epoch: across 3 epochs
+        if position == 12:
+            for loader in loaders:
+                loader.schedule.change(position + loader.read_ahead, [4, 4, 4])  # the first it may not have sliced
+        expected, sizes = next(whole).reshape(-1).tolist(), loaders[0].schedule.at(position)
+        read = [next(r).reshape(-1).tolist() for r in ranks]
+        assert [len(r) for r in read] == sizes and sum(read, []) == expected, position
+    assert loaders[0].schedule.at(29) == [4, 4, 4]
+
+
+def test_the_mixtures_ranks_read_their_sizes_of_its_global_batches():
+    from infra.data.mixture import MixtureCursor, MixtureLoader
+    from tests.test_mixture import mixture
+
+    sizes, (sources, dataset, shards) = [40, 90], mixture([40, 90], [0.7, 0.3])
+
+    def loader(rank: int, processes: int, batch: int) -> MixtureLoader:
+        return MixtureLoader(dataset, MixtureCursor(sources, sizes), shards, batch, 3, rank, processes, shuffle_window=4)
+
+    whole, loaders = iter(loader(0, 1, 12)), [loader(r, 3, 4) for r in range(3)]
+    for each in loaders:
+        each.schedule.change(2, [1, 5, 6])
+    ranks = [iter(each) for each in loaders]
+    for position in range(80):  # past a block of 64 global batches
+        read = [next(r).reshape(-1).tolist() for r in ranks]
+        assert [len(r) for r in read] == loaders[0].schedule.at(position)
+        assert sum(read, []) == next(whole).reshape(-1).tolist(), position
+
+
+def test_sizes_follow_speeds_in_whole_samples_within_their_bounds():
+    assert sizes_by_speed(8, [1.0, 0.5]) == [5, 3]  # 5.33 and 2.67: the sample left to the larger remainder
+    assert sizes_by_speed(8, [1.0, 1.0]) == [4, 4] and sizes_by_speed(8, [0.0, 0.0]) == [4, 4]
+    assert sizes_by_speed(9, [1.0, 1.0, 1.0, 1.0]) == [3, 2, 2, 2]  # ties: the lower rank
+    assert sizes_by_speed(16, [1.0, 1.0, 1.0, 0.01]) == [5, 5, 5, 1]  # the floor: every process takes part
+    assert sizes_by_speed(16, [1.0, 1.0, 1.0, 0.01], floor=2) == [5, 5, 4, 2]
+    assert sizes_by_speed(16, [10.0, 1.0], caps=[9, 16]) == [9, 7]  # what fits in its memory
+    assert sizes_by_speed(16, [float("nan"), 1.0]) == [1, 15]  # a speed not measured counts as none
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n = int(rng.integers(1, 9))
+        floor, total = int(rng.integers(1, 3)), int(rng.integers(n * 2, 200))
+        speeds = rng.uniform(0.05, 2.0, n).tolist()
+        caps = [int(c) for c in rng.integers(floor, total, n)] if rng.random() < 0.5 else None
+        if caps is not None and sum(caps) < total:
+            caps[0] += total - sum(caps)
+        sizes = sizes_by_speed(total, speeds, floor, caps)
+        assert sum(sizes) == total and all(floor <= s <= (caps[i] if caps else total) for i, s in enumerate(sizes))
+        if caps is None and all(total * s / sum(speeds) >= floor for s in speeds):  # within a sample of the proportional share
+            assert all(abs(size - total * s / sum(speeds)) < 1 for size, s in zip(sizes, speeds, strict=True))
+        assert sizes_by_speed(total, speeds, floor, caps) == sizes
+    with pytest.raises(ValueError, match="no split of 3 samples among 4 processes"):
+        sizes_by_speed(3, [1.0] * 4)
+    with pytest.raises(ValueError, match="do not split a micro-step of 8 among 2"):
+        SizeSchedule([4, 4]).change(5, [0, 8])

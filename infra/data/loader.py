@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from infra.data.errors import DataError
-from infra.shares import even
+from infra.shares import SizeSchedule, sliced
 
 
 class DataCursor:
@@ -103,19 +103,24 @@ class EpochOrder:
 
 
 class _RankBatches(torch.utils.data.Sampler):
-    """This rank's slice of each global batch (the even split, infra.shares), from sample `start` of the epoch's order."""
+    """This rank's slice of each global batch (its size in the schedule at that batch's position: the even split unless
+    changed, infra.shares), from sample `start` of the epoch's order, whose global batch is at position `position`."""
 
-    def __init__(self, order: EpochOrder, start: int, batch_size: int, rank: int, world_size: int):
-        self.order, self.start, self.batch_size, self.rank, self.world_size = order, start, batch_size, rank, world_size
-        self.global_batch = batch_size * world_size
+    def __init__(self, order: EpochOrder, start: int, position: int, schedule: SizeSchedule, rank: int):
+        self.order, self.start, self.position, self.schedule, self.rank = order, start, position, schedule, rank
+        self.global_batch = sum(schedule.even)
 
     def __iter__(self) -> Iterator[list[int]]:
-        for s in range(self.start, len(self.order) - self.global_batch + 1, self.global_batch):
-            (mine,) = even(self.order[s : s + self.global_batch], self.rank, self.world_size, self.batch_size)
+        for k, s in enumerate(range(self.start, len(self.order) - self.global_batch + 1, self.global_batch)):
+            (mine,) = sliced(self.order[s : s + self.global_batch], self.rank, self.schedule.at(self.position + k))
             yield mine.tolist()
 
     def __len__(self) -> int:
         return max(0, (len(self.order) - self.start) // self.global_batch)
+
+
+def read_ahead(num_workers: int) -> int:
+    return 2 * num_workers + 1
 
 
 def collate(batch):
@@ -150,6 +155,7 @@ class ResumableLoader:
         self.rank, self.world_size = rank, world_size
         self.cursor = cursor if cursor is not None else DataCursor()
         self.num_workers, self.pin_memory = num_workers, pin_memory
+        self.schedule = SizeSchedule([batch_size] * world_size)  # each rank's samples of each global batch
         self.last_sample_ids: list[int] = []  # global ids of the batch most recently handed out
         if len(dataset) < self.global_batch_size:
             raise DataError(
@@ -166,6 +172,12 @@ class ResumableLoader:
         return len(self.dataset) // self.global_batch_size
 
     @property
+    def read_ahead(self) -> int:
+        """Global batches past the one handed out that this loader may have sliced already: a change of the schedule is
+        for a position further on (the DataLoader's workers prefetch 2 batches each)."""
+        return read_ahead(self.num_workers)
+
+    @property
     def batches_consumed(self) -> int:
         """Global batches handed out since the first epoch began: a position in the data, whatever the restarts."""
         return self.cursor.epoch * self.batches_per_epoch + self.cursor.samples_consumed // self.global_batch_size
@@ -180,7 +192,7 @@ class ResumableLoader:
     def __iter__(self) -> Iterator[torch.Tensor]:
         while True:
             order = EpochOrder(self.shard_sizes, self.seed, self.cursor.epoch, self.shuffle_window)
-            sampler = _RankBatches(order, self.cursor.samples_consumed, self.batch_size, self.rank, self.world_size)
+            sampler = _RankBatches(order, self.cursor.samples_consumed, self.batches_consumed, self.schedule, self.rank)
             loader = torch.utils.data.DataLoader(
                 self.dataset,
                 batch_sampler=sampler,

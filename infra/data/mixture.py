@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from infra.data.errors import DataError
-from infra.data.loader import EpochOrder, collate
+from infra.data.loader import EpochOrder, collate, read_ahead
 from infra.data.shards import SampleRange, read_rows
-from infra.shares import even
+from infra.shares import SizeSchedule, sliced
 
 RESOLUTION = 10_000  # the weights as integers summing to at most this (one period of the order)
 
@@ -268,15 +268,15 @@ class MixtureOrder:
 
 
 class _MixtureBatches(torch.utils.data.Sampler):
-    """This rank's slice of each global batch of mixture positions (the even split, infra.shares), from the cursor's,
-    without end. The ids are worked out BLOCK global batches at a time (the interleave's cost is per call, not per
-    sample)."""
+    """This rank's slice of each global batch of mixture positions (its size in the schedule: the even split unless
+    changed, infra.shares), from the cursor's, without end. The ids are worked out BLOCK global batches at a time (the
+    interleave's cost is per call, not per sample)."""
 
     BLOCK = 64
 
-    def __init__(self, order: MixtureOrder, start: int, batch_size: int, rank: int, world_size: int):
-        self.order, self.start, self.batch_size, self.rank, self.world_size = order, start, batch_size, rank, world_size
-        self.global_batch = batch_size * world_size
+    def __init__(self, order: MixtureOrder, start: int, schedule: SizeSchedule, rank: int):
+        self.order, self.start, self.schedule, self.rank = order, start, schedule, rank
+        self.global_batch = sum(schedule.even)
         self._blocks: dict[int, np.ndarray] = {}
 
     def _block(self, s: int) -> np.ndarray:
@@ -291,7 +291,12 @@ class _MixtureBatches(torch.utils.data.Sampler):
     def __iter__(self) -> Iterator[list[int]]:
         s = self.start
         while True:
-            yield from (ids.tolist() for ids in even(self._block(s), self.rank, self.world_size, self.batch_size))
+            block = self._block(s)
+            for k in range(len(block) // self.global_batch):
+                (mine,) = sliced(
+                    block[k * self.global_batch : (k + 1) * self.global_batch], self.rank, self.schedule.at(s // self.global_batch + k)
+                )
+                yield mine.tolist()
             s += self.BLOCK * self.global_batch
 
 
@@ -303,6 +308,7 @@ class MixtureLoader:
         self.shard_sizes, self.seed, self.rank, self.world_size = shard_sizes, seed, rank, world_size
         self.shuffle_window = loader.pop("shuffle_window", 1 << 18)
         self.loader_args = loader  # num_workers, pin_memory
+        self.schedule = SizeSchedule([batch_size] * world_size)  # each rank's samples of each global batch
         self.last_sample_ids: list[int] = []
 
     @property
@@ -313,6 +319,11 @@ class MixtureLoader:
     def batches_consumed(self) -> int:
         return self.cursor.position // self.global_batch_size
 
+    @property
+    def read_ahead(self) -> int:
+        """As ResumableLoader.read_ahead."""
+        return read_ahead(self.loader_args.get("num_workers", 0))
+
     def source_index(self, ids) -> np.ndarray:
         """The source (its number) of each sample id."""
         return self.dataset.source_index(ids)
@@ -322,7 +333,7 @@ class MixtureLoader:
 
     def __iter__(self):
         order = MixtureOrder(self.dataset, self.cursor, self.shard_sizes, self.seed, self.shuffle_window)
-        sampler = _MixtureBatches(order, self.cursor.position, self.batch_size, self.rank, self.world_size)
+        sampler = _MixtureBatches(order, self.cursor.position, self.schedule, self.rank)
         loader = torch.utils.data.DataLoader(
             self.dataset, batch_sampler=sampler, collate_fn=collate, generator=torch.Generator(), **self.loader_args
         )
