@@ -8,7 +8,7 @@ import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from accelerate import Accelerator
@@ -39,9 +39,17 @@ class HealthConfig:
     )
     straggler_factor: float = field(default=1.5, metadata={"help": "A rank slower than this x the median is a straggler."})
     straggler_patience: int = field(default=3, metadata={"help": "Windows in a row a rank must be slow before it is reported."})
-    straggler_action: Literal["warn", "checkpoint_and_exit"] = field(
+    straggler_action: Literal["warn", "checkpoint_and_exit", "rebalance"] = field(
         default="warn",
-        metadata={"help": "checkpoint_and_exit: save and exit with code 75 so the job is restarted without the slow node."},
+        metadata={
+            "help": "checkpoint_and_exit: save and exit with code 75 so the job is restarted without the slow node. "
+            "rebalance: every window, each process's share of every micro-step follows its measured speed (the global "
+            "batch and its samples unchanged), so a slow process takes fewer samples instead of setting the pace."
+        },
+    )
+    straggler_min_samples: int = field(
+        default=1,
+        metadata={"help": "With straggler_action=rebalance, the fewest samples of a micro-step a process keeps (at most the even share)."},
     )
 
     def __post_init__(self):
@@ -49,6 +57,7 @@ class HealthConfig:
             require(getattr(self, name) >= 0, name, getattr(self, name), "an integer >= 0")
         require(self.straggler_patience >= 1, "straggler_patience", self.straggler_patience, "an integer >= 1")
         require(self.straggler_factor > 1, "straggler_factor", self.straggler_factor, "a number > 1")
+        require(self.straggler_min_samples >= 1, "straggler_min_samples", self.straggler_min_samples, "an integer >= 1")
 
 
 class DesyncError(RuntimeError):
@@ -90,9 +99,10 @@ class StragglerDetector:
     off (done here: the recipes' buffers are constants), the forward pass runs no collective and measures this rank's own speed,
     while a backward or a step includes waiting for the slowest rank. Under ZeRO-3 and FSDP the
     forward gathers parameters and the signal is blurred by the others' pace. Every window one
-    all-gather of two numbers per rank; a rank whose time exceeds `factor` x the median for
-    `patience` windows in a row is a straggler. The decision comes from the gathered numbers, so
-    every rank reaches it at the same step with no further communication.
+    all-gather of four numbers per rank (forward and data-wait seconds, samples and micro-batches: a step's on
+    average); a rank whose time exceeds `factor` x the median for `patience` windows in a row is a straggler. The
+    decision comes from the gathered numbers, so every rank reaches it at the same step with no further communication;
+    so do each rank's samples and seconds a micro-batch, which the shares follow (straggler_action: rebalance).
     """
 
     def __init__(self, accelerator: Accelerator, model: torch.nn.Module, hosts: list[str], window: int, factor: float, patience: int):
@@ -103,6 +113,7 @@ class StragglerDetector:
         self.streak = [0] * accelerator.num_processes
         self._compute: list = []
         self._data = 0.0
+        self._samples = 0
         self._steps = 0
 
     @contextlib.contextmanager
@@ -119,22 +130,29 @@ class StragglerDetector:
             yield
             self._compute.append(time.perf_counter() - t)
 
-    def waited(self, seconds: float) -> None:
+    def waited(self, seconds: float, samples: int) -> None:
+        """This rank's wait for the step's data, and its samples (its share)."""
         self._data += seconds
+        self._samples += samples
 
-    def step(self) -> tuple[dict[str, float], str | None, list[int]]:
-        """After each optimizer step: ({straggler/rank_i: ratio}, report, slow ranks) at the end of a window, else ({}, None, [])."""
+    def step(self) -> Window | None:
+        """After each optimizer step: the window's findings at its end, else None."""
         self._steps += 1
         if self.window <= 0 or self._steps < self.window:
-            return {}, None, []
+            return None
         if self.cuda:
             torch.cuda.synchronize()
             compute = sum(s.elapsed_time(e) for s, e in self._compute) / 1000
         else:
             compute = sum(self._compute)
-        mine = torch.tensor([compute / self._steps, self._data / self._steps], device=self.accelerator.device)
-        self._compute, self._data, self._steps = [], 0.0, 0
-        times = self.accelerator.gather(mine.reshape(1, 2)).reshape(-1, 2).double().cpu()
+        counts = [compute, self._data, self._samples, len(self._compute)]
+        mine = torch.tensor(counts, device=self.accelerator.device, dtype=torch.float64) / self._steps
+        self._compute, self._data, self._samples, self._steps = [], 0.0, 0, 0
+        gathered = self.accelerator.gather(mine.reshape(1, 4)).reshape(-1, 4).cpu()
+        times, micro = gathered[:, :2], gathered[:, 3].clamp(min=1)
+        # a micro-batch's samples and seconds: a backward costs about two forwards, the wait for data included
+        sizes = (gathered[:, 2] / micro).tolist()
+        seconds = ((BACKWARD_AND_FORWARD * times[:, 0] + times[:, 1]) / micro).tolist()
         total = times.sum(dim=1)
         median = float(total.sort().values[(len(total) - 1) // 2])  # the lower median: with 2 ranks, the faster one
         ratios = (total / max(median, 1e-9)).tolist()
@@ -155,4 +173,18 @@ class StragglerDetector:
                     f"of {self.window} steps (forward {c:.3f}s vs {med_compute:.3f}s, data wait {d:.3f}s vs {med_data:.3f}s): {cause}"
                 )
             report = "straggler: " + "; ".join(parts)
-        return {f"straggler/rank_{r}": ratio for r, ratio in enumerate(ratios)}, report, slow
+        return Window({f"straggler/rank_{r}": ratio for r, ratio in enumerate(ratios)}, report, slow, sizes, seconds)
+
+
+class Window(NamedTuple):
+    """What a straggler window found: each rank's step time over the median's (straggler/rank_i), the line naming the
+    slow ones (None: none), their ranks, and each rank's mean samples and seconds of a micro-batch."""
+
+    ratios: dict[str, float]
+    report: str | None
+    slow: list[int]
+    sizes: list[float]
+    seconds: list[float]
+
+
+BACKWARD_AND_FORWARD = 3.0  # a forward and its backward, in forwards

@@ -9,8 +9,8 @@ import torch
 class Hooks:
     """Points where a test acts on the loop (infra.testing.Faults); these do nothing."""
 
-    def on_loss(self, loss: torch.Tensor, batch: int) -> torch.Tensor:
-        """The loss of the `batch`-th micro-batch since the run began, inside the timed forward pass."""
+    def on_loss(self, loss: torch.Tensor, batch: int, samples: int) -> torch.Tensor:
+        """The loss of the `batch`-th micro-batch since the run began (of `samples`), inside the timed forward pass."""
         return loss
 
     def on_step_end(self, step: int) -> None:

@@ -7,7 +7,7 @@ is summed per item and divided by the step's items, whatever the split.
     even(ids, process, processes, micro_batch)      a plain run's: micro-step m's samples cut into one slice a process
                                                     (the loader reads each rank's so, infra.data.loader)
     sliced(ids, process, sizes)                     the same with a size a process (the loader's, when the schedule of
-                                                    sizes is not even: SizeSchedule, sizes_by_speed)
+                                                    sizes is not even: SizeSchedule, fastest_split)
     share(ids, slot, slots, micro_batch)            contiguous parts, as even as whole samples allow (any step size)
     process_share(ids, rank, training, ...)         a replica group's: by its rank in the quorum, none for a hot spare
 
@@ -18,7 +18,7 @@ split to the even one: the same samples, each once, and the same gradient.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,36 +56,68 @@ def sliced(ids: np.ndarray, process: int, sizes: Sequence[int]) -> list[np.ndarr
     return [ids[s + start : s + start + sizes[process]] for s in range(0, len(ids) - per_step + 1, per_step)]
 
 
-def sizes_by_speed(total: int, speeds: Sequence[float], floor: int = 1, caps: Sequence[int] | None = None) -> list[int]:
-    """Each process's whole samples of a micro-step of `total`, in proportion to its speed (samples a second), none under
-    `floor` (every process takes part in every collective) nor over its cap (what fits in its memory): the bounded
-    proportional shares, then the samples left by rounding down to the largest remainders (ties: the lower rank). The
-    same numbers give the same sizes on every process. Raises ValueError when no sizes fit the bounds."""
-    n = len(speeds)
-    caps = [total] * n if caps is None else list(caps)
-    if not (n and n * floor <= total <= sum(caps) and all(c >= floor for c in caps)):
-        raise ValueError(f"no split of {total} samples among {n} processes has {floor} to {caps} each")
-    weights = [s if s > 0 and math.isfinite(s) else 0.0 for s in speeds]
-    if not any(weights):
-        weights = [1.0] * n
-    fixed: dict[int, int] = {}
-    while True:  # bound the shares that cross a bound (the ones under the floor first), then share the rest again
-        free = [i for i in range(n) if i not in fixed]
-        left, weight = total - sum(fixed.values()), sum(weights[i] for i in free)
-        ideal = {i: left * weights[i] / weight if weight else left / len(free) for i in free}
-        under = [i for i in free if ideal[i] < floor]
-        over = [i for i in free if ideal[i] > caps[i]]
-        if under:
-            fixed |= dict.fromkeys(under, floor)
-        elif over:
-            fixed |= {i: caps[i] for i in over}
-        else:
-            break
-    sizes = {i: math.floor(ideal[i]) for i in free} | fixed
-    left = total - sum(sizes.values())
-    for i in sorted(free, key=lambda i: (-(ideal[i] - sizes[i]), i))[:left]:
-        sizes[i] += 1
-    return [sizes[i] for i in range(n)]
+def fastest_split(
+    total: int, seconds: Callable[[int, int], float], processes: int, floor: int = 1, caps: Sequence[int] | None = None
+) -> list[int]:
+    """Each process's whole samples of a micro-step of `total` so that the slowest finishes first: `seconds(process,
+    size)` is a process's predicted time for `size` samples (growing with size). Every process gets `floor` (it takes
+    part in every collective), then each sample goes to the process that would finish it soonest, never past its cap
+    (what fits in its memory); ties go to the lower rank, so the same predictions give the same sizes on every
+    process. For times that grow linearly this is the least slowest time. Raises ValueError when no sizes fit the
+    bounds."""
+    caps = [total] * processes if caps is None else list(caps)
+    if not (processes and processes * floor <= total <= sum(caps) and all(c >= floor for c in caps)):
+        raise ValueError(f"no split of {total} samples among {processes} processes has {floor} to {caps} each")
+    sizes = [floor] * processes
+    for _ in range(total - processes * floor):
+        open_ = [p for p in range(processes) if sizes[p] < caps[p]]
+        p = min(open_, key=lambda p: (seconds(p, sizes[p] + 1), p))
+        sizes[p] += 1
+    return sizes
+
+
+class Speeds:
+    """Each process's seconds a micro-batch as a line in its samples: an overhead that does not shrink with the share
+    (the passes' launch and Python time, a micro-batch's fixed cost) plus its seconds a sample. A window's measure at
+    one size gives the seconds a sample once the overhead is known; two windows at different sizes give the overhead
+    (none until then). With the overhead counted, a process given fewer samples does not look slower a sample, which
+    would take samples from it again and again."""
+
+    def __init__(self, processes: int):
+        self.overhead = [0.0] * processes
+        self.per_sample = [0.0] * processes
+        self.last: list[tuple[float, float] | None] = [None] * processes  # (samples, seconds) of a micro-batch
+
+    def measured(self, sizes: Sequence[float], seconds: Sequence[float]) -> None:
+        """A window's mean samples and seconds of a micro-batch, a process each (the same numbers on every process)."""
+        for p, (size, time) in enumerate(zip(sizes, seconds, strict=True)):
+            if not (size > 0 and time > 0 and math.isfinite(time)):
+                continue
+            last = self.last[p]
+            if last is not None and abs(size - last[0]) >= 0.5:
+                slope = (time - last[1]) / (size - last[0])
+                if slope > 0:
+                    self.overhead[p] = min(max(time - slope * size, 0.0), 0.9 * time)
+            self.per_sample[p] = (time - self.overhead[p]) / size
+            self.last[p] = (size, time)
+
+    def known(self) -> bool:
+        return all(t > 0 for t in self.per_sample)
+
+    def seconds(self, process: int, size: int) -> float:
+        return self.overhead[process] + self.per_sample[process] * size
+
+
+def rebalanced(current: Sequence[int], speeds: Speeds, floor: int = 1, gain: float = 0.05) -> list[int] | None:
+    """The sizes the speeds call for (fastest_split), when they shorten the predicted micro-step (its slowest process's
+    time) by at least `gain` of it; else None, so that noise does not move samples to and fro. None too while a
+    process has no measure yet."""
+    if not speeds.known():
+        return None
+    sizes = fastest_split(sum(current), speeds.seconds, len(current), floor)
+    before = max(speeds.seconds(p, size) for p, size in enumerate(current))
+    after = max(speeds.seconds(p, size) for p, size in enumerate(sizes))
+    return sizes if sizes != list(current) and after <= (1 - gain) * before else None
 
 
 @dataclass

@@ -7,6 +7,8 @@ The launch tests start real recipes, so the faults travel in the environment:
   the run began (a property of the data position, so a rollback that moves past them does not meet them
   again); the others act on `rank` only: a slower forward pass, a rank that stops forever at a step, or one
   that dies at a step (in the first incarnation of the group only, so that an elastic restart gets past it).
+  `"slow_per_sample": [seconds, first, last]`: a forward pass slower by `seconds` a sample of its micro-batch, from
+  micro-batch `first` through `last` since the run began (a slow process, whose time grows with its share).
 - `INFRA_TEST_PAUSE_IN_SAVE`: seconds to pause after save_state and before the commit, so a test can kill a
   save midway.
 - `INFRA_TEST_DUMP_GRADS`: a folder where rank 0 writes `step1.pt` before the first optimizer step: the gradient
@@ -39,15 +41,19 @@ class Faults(Hooks):
         active = spec.get("rank", 1) in (rank, "all")
         self.nan_batches = set(spec.get("nan_batches", [])) if active else set()
         self.slow_seconds = float(spec.get("slow_seconds", 0)) if active else 0.0
+        self.slow_per_sample = tuple(spec.get("slow_per_sample", (0.0, 0, 0))) if active else (0.0, 0, 0)
         self.hang_at_step = spec.get("hang_at_step") if active else None
         # only in the first incarnation of the group: torch elastic counts its restarts
         first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         self.die_at_step = spec.get("die_at_step") if active and first else None
         self.pause_in_save = pause_in_save
 
-    def on_loss(self, loss: torch.Tensor, batch: int) -> torch.Tensor:
+    def on_loss(self, loss: torch.Tensor, batch: int, samples: int) -> torch.Tensor:
         if self.slow_seconds:
             time.sleep(self.slow_seconds)
+        seconds, first, last = self.slow_per_sample
+        if seconds and first <= batch <= last:
+            time.sleep(seconds * samples)
         return loss * float("nan") if batch in self.nan_batches else loss
 
     def on_step_end(self, step: int) -> None:

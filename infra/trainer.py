@@ -58,7 +58,7 @@ from infra.export import Exporter
 from infra.goodput import Goodput, summary
 from infra.guard import NonFiniteGuard
 from infra.hangs import Watchdog, log_forensics, roster
-from infra.health import STRAGGLER_EXIT_CODE, StragglerDetector, check_replicas_in_sync
+from infra.health import STRAGGLER_EXIT_CODE, StragglerDetector, Window, check_replicas_in_sync
 from infra.hooks import Hooks
 from infra.job import Batch, Job, LossOutput
 from infra.levers import checkpoint_activations, compile_blocks
@@ -71,7 +71,7 @@ from infra.optim import build_optimizer, build_scheduler
 from infra.preemption import Preemption, clear_stop_record, write_stop_record
 from infra.preflight import run_preflight
 from infra.recipe import attention_of
-from infra.shares import Seat
+from infra.shares import Seat, Speeds, rebalanced
 from infra.tracking import MetricLogger, end_run, last_logged_step, run_name_for, run_tags, start_run, tracking_uri
 
 
@@ -206,6 +206,7 @@ class Trainer:
         hosts = [p.host for p in peers]
         window, factor, patience = args.straggler_window_steps, args.straggler_factor, args.straggler_patience
         self.stragglers = StragglerDetector(acc, self.model, hosts, window, factor, patience)
+        self.speeds = Speeds(acc.num_processes)  # what rebalancing learns of each rank's speed, window after window
         # set by resume(): they depend on the checkpoint resumed from
         self.run_id: str | None = None
         self.latest: dict[str, float] = {}  # the latest of each metric, eval included: checkpoints and keep_best read them
@@ -333,6 +334,8 @@ class Trainer:
         if manifest:
             state.load_state_dict(manifest)
             self.cursor.load_state_dict(manifest["cursor"])  # DataError: a data_mixture other than the checkpoint's, say
+            if line := self.shares.load_state_dict(manifest.get("shares")):
+                self.accelerator.print(line)
             self.hooks.on_state("resumed", state.step, self.model, self.optimizer)
         return path, manifest
 
@@ -399,7 +402,7 @@ class Trainer:
         micros = [m if m.batch is None else m._replace(batch=to_device(m.batch, self.accelerator.device)) for m in taken]
         waited = time.perf_counter() - waiting
         self.metrics.meter.waited(waited)
-        self.stragglers.waited(waited)
+        self.stragglers.waited(waited, sum(len(m.ids) for m in micros))
         return micros
 
     def backward(self, micros: list[Micro], num_items_in_batch: torch.Tensor) -> torch.Tensor:
@@ -423,7 +426,7 @@ class Trainer:
                     sources = torch.from_numpy(sources).to(acc.device)
                 with self.stragglers.compute():
                     loss = self.micro_loss(micro.batch, num_items_in_batch, sources)
-                    loss = self.hooks.on_loss(loss, micro.position)
+                    loss = self.hooks.on_loss(loss, micro.position, len(micro.ids))
                 acc.backward(loss)
             step_loss += loss.detach()
         return step_loss
@@ -507,16 +510,36 @@ class Trainer:
     def stop_reason(self, result: StepResult) -> dict | None:
         """Why to save and stop after this step (the stop record), or None: a preemption, or a straggler to exclude.
         Decided from agreed or gathered values: the same on every rank."""
-        ratios, report, slow = self.stragglers.step()
-        if ratios:
-            self.watch.log(ratios, step=self.state.step)
-        if report:
-            self.accelerator.print(report)
+        window = self.stragglers.step()
+        if window is not None:
+            self.watch.log(window.ratios, step=self.state.step)
+            if self.args.straggler_action == "rebalance":
+                self.rebalance(window)
+            if window.report:
+                self.accelerator.print(window.report)
         if result.preempted:
             return {"reason": "preempted", "signal": result.preempted}
-        if slow and self.args.straggler_action == "checkpoint_and_exit":
-            return {"reason": "straggler", "hosts": sorted({self.stragglers.hosts[rank] for rank in slow})}
+        if window is not None and window.slow and self.args.straggler_action == "checkpoint_and_exit":
+            return {"reason": "straggler", "hosts": sorted({self.stragglers.hosts[rank] for rank in window.slow})}
         return None
+
+    def rebalance(self, window: Window) -> None:
+        """Each process's share of every micro-step after its speed, when that shortens the step (infra.shares.rebalanced):
+        the same decision on every rank, from the same gathered numbers. Its line, and each process's share (shares/rank_i,
+        the samples of a micro-step) every window."""
+        self.speeds.measured(window.sizes, window.seconds)
+        now = self.shares.sizes(ahead=True)
+        sizes = rebalanced(now, self.speeds, self.args.straggler_min_samples)
+        if sizes is not None:
+            steps = self.shares.resize(sizes)
+            hosts, per_sample = self.stragglers.hosts, self.speeds.per_sample
+            was = ", ".join(
+                f"rank {r} on {hosts[r]} {a} -> {b} ({t * 1000:.1f} ms a sample)"
+                for r, (a, b, t) in enumerate(zip(now, sizes, per_sample, strict=True))
+            )
+            self.accelerator.print(f"rebalanced: each micro-step's {sum(sizes)} samples from step {self.state.step + steps + 1}: {was}")
+            now = sizes
+        self.watch.log({f"shares/rank_{r}": float(size) for r, size in enumerate(now)}, step=self.state.step)
 
     def eval_due(self) -> bool:
         args, step = self.args, self.state.step
@@ -554,6 +577,7 @@ class Trainer:
         start = time.perf_counter()
         # a copy of the metrics: a background save writes its manifest later, while the loop goes on updating them
         facts = {**state.state_dict(), "cursor": self.cursor.state_dict(), "metrics": dict(self.latest), "mlflow_run_id": self.run_id}
+        facts["shares"] = self.shares.state_dict()  # each process's samples of every micro-step (rebalanced or even)
         facts["goodput"] = self.watch.goodput.ledger()  # the time history of these weights (infra.goodput)
         facts["companions"] = {name: c.source for name, c in self.job.companions.items()}  # not saved: rebuilt from these
         try:

@@ -91,6 +91,23 @@ def test_resolved_config_flattens_to_dotted_params():
         ),
         ("", ["--attn_implementation", "flash_attention_2"], "expected an installed kernel: flash_attention_2 needs a CUDA GPU"),
         ("", ["--attn_implementation", "flex_attention"], "expected a kernel that trains here: flex_attention needs a CUDA GPU"),
+        ("", ["--straggler_action", "rebalance", "--straggler_min_samples", "9"], "straggler_min_samples=9 is not valid: expected at most"),
+        (
+            "",
+            [
+                "--straggler_action",
+                "rebalance",
+                "--fault_tolerance",
+                "replicas",
+                "--global_batch_size",
+                "16",
+                "--replica_group_id",
+                "g0",
+                "--lighthouse",
+                "http://127.0.0.1:1",
+            ],
+            "straggler_action='rebalance' is not valid: expected warn or checkpoint_and_exit with fault_tolerance=replicas",
+        ),
     ],
 )
 def test_recipe_refuses_bad_config_in_one_line_and_creates_nothing(tmp_path, yaml_text, extra, expected):
@@ -175,6 +192,7 @@ FROZEN_SURFACE = {
         "straggler_factor": 1.5,
         "straggler_patience": 3,
         "straggler_action": "warn",
+        "straggler_min_samples": 1,
         "preflight": True,
         "preflight_only": False,
         "time_budget_hours": 0.0,

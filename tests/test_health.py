@@ -102,6 +102,42 @@ def test_a_slow_rank_is_named_then_the_job_saves_and_exits_with_its_code(small_d
     assert found.info.status == "KILLED"
 
 
+def test_a_slow_rank_takes_fewer_samples_and_the_steps_keep_theirs(small_data, tmp_path):
+    """straggler_action=rebalance, rank 1 slower by 20 ms a sample of its share through step 12 (fp32, no dropout):
+    its share of each micro-step falls within two windows (and the rebalanced line names it), the checkpoint holds the
+    shares in force and the resumed run starts with them, and once rank 1 is fast again its share comes back. Every
+    step trains on the even run's samples, in its order (rank 0's slice, then rank 1's), and the weights are the even
+    run's up to the order of the sums."""
+    exact = ("--attention_dropout", "0", "--mixed_precision", "no", "--straggler_window_steps", "2")
+    even = run(recipe_args(small_data, tmp_path / "even" / "out", 20, *exact), tmp_path / "even", {})
+    assert even.returncode == 0, even.stderr[-3000:]
+    out, rebalance = tmp_path / "out", (*exact, "--straggler_action", "rebalance")
+    slow = run(recipe_args(small_data, out, 12, *rebalance), tmp_path, {"rank": 1, "slow_per_sample": [0.02, 1, 24]})
+    assert slow.returncode == 0, slow.stderr[-3000:]
+    resumed = run(recipe_args(small_data, out, 20, *rebalance), tmp_path, {})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    sizes = [[len(line["ids"]) for line in trace(out, rank)] for rank in (0, 1)]  # a micro-batch's, two a step
+    assert all(a + b == 2 * 4 for a, b in zip(*sizes, strict=True))
+    first = next(i for i, size in enumerate(sizes[1]) if size < 4) // 2 + 1  # the step rank 1's share first fell
+    assert first <= 2 + 2 * 2 + 1, sizes[1]  # the first window's end, and the loader's read-ahead (a step)
+    assert max(sizes[1][2 * 6 : 2 * 12]) < 4, sizes[1]  # slow through step 12: a smaller share
+    assert sizes[1][2 * 12] == sizes[1][2 * 12 - 1]  # the resumed run went on with the checkpoint's shares
+    assert min(sizes[1][-4:]) > max(sizes[1][2 * 6 : 2 * 12]), sizes[1]  # fast again: its share back (up to noise)
+    line = next(line for line in slow.stdout.splitlines() if line.startswith("rebalanced: "))
+    assert ", rank 1 on " in line and "4 -> " in line, line
+    assert global_sequence(out, 2) == global_sequence(tmp_path / "even" / "out", 2)  # the same samples, in the same order
+    ours, theirs = weights(out), weights(tmp_path / "even" / "out")
+    assert max(float((ours[name] - theirs[name]).abs().max()) for name in theirs) < 1e-5
+
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (found,) = client.search_runs([client.get_experiment_by_name("pretrain_clm").experiment_id])
+    shares = [m.value for m in sorted(client.get_metric_history(found.info.run_id, "shares/rank_1"), key=lambda m: m.step)]
+    assert min(shares) < 4 and len(shares) == 20 // 2, shares  # every window, one run across launches
+
+
 def test_a_hung_rank_fails_the_job_within_the_timeout_and_is_named(small_data, tmp_path):
     args = recipe_args(small_data, tmp_path / "out", 12, "--report_to", "none", "--ddp_step_timeout", "5")
     args += ["--preemption_grace_seconds", "5"]  # how long the hung rank may take to go once told to stop

@@ -9,7 +9,7 @@ import torch
 
 from infra.data import DataCursor, ResumableLoader
 from infra.data.steps import GlobalBatches
-from infra.shares import Seat, SizeSchedule, even, process_share, share, sizes_by_speed, sliced
+from infra.shares import ALONE, Seat, SizeSchedule, Speeds, even, fastest_split, process_share, rebalanced, share, sliced
 
 
 class Shards(torch.utils.data.Dataset):
@@ -159,28 +159,83 @@ def test_the_mixtures_ranks_read_their_sizes_of_its_global_batches():
         assert sum(read, []) == next(whole).reshape(-1).tolist(), position
 
 
-def test_sizes_follow_speeds_in_whole_samples_within_their_bounds():
-    assert sizes_by_speed(8, [1.0, 0.5]) == [5, 3]  # 5.33 and 2.67: the sample left to the larger remainder
-    assert sizes_by_speed(8, [1.0, 1.0]) == [4, 4] and sizes_by_speed(8, [0.0, 0.0]) == [4, 4]
-    assert sizes_by_speed(9, [1.0, 1.0, 1.0, 1.0]) == [3, 2, 2, 2]  # ties: the lower rank
-    assert sizes_by_speed(16, [1.0, 1.0, 1.0, 0.01]) == [5, 5, 5, 1]  # the floor: every process takes part
-    assert sizes_by_speed(16, [1.0, 1.0, 1.0, 0.01], floor=2) == [5, 5, 4, 2]
-    assert sizes_by_speed(16, [10.0, 1.0], caps=[9, 16]) == [9, 7]  # what fits in its memory
-    assert sizes_by_speed(16, [float("nan"), 1.0]) == [1, 15]  # a speed not measured counts as none
+def test_the_fastest_split_finishes_first_in_whole_samples_within_its_bounds():
+    def proportional(speeds):
+        return lambda p, size: size / speeds[p]
+
+    assert fastest_split(8, proportional([1.0, 1.0]), 2) == [4, 4]
+    assert fastest_split(9, proportional([1.0] * 4), 4) == [3, 2, 2, 2]  # ties: the lower rank
+    assert fastest_split(8, proportional([1.0, 1 / 3]), 2) == [6, 2]  # a process at a third of the speed
+    assert fastest_split(16, proportional([1.0, 1.0, 1.0, 0.01]), 4) == [5, 5, 5, 1]  # the floor: it takes part
+    assert fastest_split(16, proportional([1.0, 1.0, 1.0, 0.01]), 4, floor=2) == [5, 5, 4, 2]
+    assert fastest_split(16, proportional([10.0, 1.0]), 2, caps=[9, 16]) == [9, 7]  # what fits in its memory
     rng = np.random.default_rng(0)
-    for _ in range(300):
-        n = int(rng.integers(1, 9))
-        floor, total = int(rng.integers(1, 3)), int(rng.integers(n * 2, 200))
-        speeds = rng.uniform(0.05, 2.0, n).tolist()
-        caps = [int(c) for c in rng.integers(floor, total, n)] if rng.random() < 0.5 else None
-        if caps is not None and sum(caps) < total:
-            caps[0] += total - sum(caps)
-        sizes = sizes_by_speed(total, speeds, floor, caps)
-        assert sum(sizes) == total and all(floor <= s <= (caps[i] if caps else total) for i, s in enumerate(sizes))
-        if caps is None and all(total * s / sum(speeds) >= floor for s in speeds):  # within a sample of the proportional share
-            assert all(abs(size - total * s / sum(speeds)) < 1 for size, s in zip(sizes, speeds, strict=True))
-        assert sizes_by_speed(total, speeds, floor, caps) == sizes
+    for _ in range(200):  # the least slowest time: no sample moved from the slowest process to another does better
+        n, floor = int(rng.integers(1, 7)), int(rng.integers(1, 3))
+        total = int(rng.integers(n * floor, 120))
+        overhead, per_sample = rng.uniform(0, 0.01, n), rng.uniform(0.001, 0.02, n)
+
+        def seconds(p, size, overhead=overhead, per_sample=per_sample):
+            return overhead[p] + per_sample[p] * size
+
+        sizes = fastest_split(total, seconds, n, floor)
+        assert sum(sizes) == total and min(sizes) >= floor and sizes == fastest_split(total, seconds, n, floor)
+        slowest = max(range(n), key=lambda p: seconds(p, sizes[p]))
+        for other in range(n):
+            if other != slowest and sizes[slowest] > floor:
+                moved = sizes.copy()
+                moved[slowest] -= 1
+                moved[other] += 1
+                assert max(seconds(p, moved[p]) for p in range(n)) >= max(seconds(p, sizes[p]) for p in range(n)) - 1e-12
     with pytest.raises(ValueError, match="no split of 3 samples among 4 processes"):
-        sizes_by_speed(3, [1.0] * 4)
+        fastest_split(3, proportional([1.0] * 4), 4)
     with pytest.raises(ValueError, match="do not split a micro-step of 8 among 2"):
         SizeSchedule([4, 4]).change(5, [0, 8])
+
+
+def test_a_process_given_fewer_samples_does_not_look_slower_for_its_overhead():
+    """Two processes alike but for rank 1 three times slower a sample, each micro-batch 6 ms of overhead besides: the
+    shares move to the fast one, and once both are alike again they come back to even, not stuck at the floor (a
+    seconds-a-sample view without the overhead would keep taking samples from the one with fewer)."""
+
+    def measure(sizes, per_sample):
+        return [0.006 + t * s for s, t in zip(sizes, per_sample, strict=True)]
+
+    speeds, sizes, seen = Speeds(2), [4, 4], []
+    for window in range(8):
+        per_sample = [0.001, 0.003] if window < 4 else [0.001, 0.001]
+        speeds.measured(sizes, measure(sizes, per_sample))
+        sizes = rebalanced(sizes, speeds) or sizes
+        seen.append(sizes)
+    # the first window knows no overhead yet (times in proportion to samples); the second, at other sizes, tells it: 6
+    # samples at 1 ms and 2 at 3 ms both take 12 ms with it
+    assert seen[0][1] < 4 and seen[1:4] == [[6, 2]] * 3, seen
+    assert seen[-1] == [4, 4], seen  # alike again: even
+    assert speeds.overhead == pytest.approx([0.006, 0.006])
+    assert rebalanced([4, 4], speeds) is None  # nothing to gain: nothing moves
+    assert rebalanced([4, 4], Speeds(2)) is None  # not measured yet
+
+
+def test_a_resize_waits_for_what_the_loaders_read_ahead_and_a_checkpoint_keeps_it():
+    from infra.data.steps import EvenShares
+
+    dataset = Shards([32, 32, 20, 32])
+    loaders = [ResumableLoader(dataset, 4, 7, r, 2, DataCursor(), num_workers=1, shuffle_window=24) for r in range(2)]
+    shares = [EvenShares(loader, 2) for loader in loaders]  # 2 micro-batches a step
+    for each in shares:
+        each.start()
+    for _ in range(3):  # 3 steps read: position 6
+        [each.take(ALONE, 0, None) for each in shares]
+    # read ahead 3 (one worker): position 9; the next step that starts after it at 10: two steps before it
+    assert [each.resize([3, 5]) for each in shares] == [2, 2]
+    assert shares[0].sizes() == [4, 4] and shares[0].sizes(ahead=True) == [3, 5]
+    taken = [[[len(m.ids) for m in each.take(ALONE, 0, None)] for each in shares] for _ in range(3)]
+    assert taken == [[[4, 4], [4, 4]], [[4, 4], [4, 4]], [[3, 3], [5, 5]]]
+    saved = shares[0].state_dict()
+    assert saved == {"schedule": {"even": [4, 4], "changes": [[10, [3, 5]]]}}
+
+    fresh = EvenShares(ResumableLoader(dataset, 4, 7, 0, 2, DataCursor()), 2)
+    assert fresh.load_state_dict(saved) is None and fresh.loader.schedule.at(10) == [3, 5]
+    other = EvenShares(ResumableLoader(dataset, 8, 7, 0, 1, DataCursor()), 2)  # another world size: even again
+    assert other.load_state_dict(saved) == "shares: the checkpoint's were of 2 processes x 4; even shares from here"
+    assert other.loader.schedule.at(10) == [8]

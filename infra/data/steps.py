@@ -13,6 +13,11 @@ Both answer the same calls, so the Trainer's step asks no question about which i
     shares.stand_in()                       a sample for the passes of an empty micro-batch (a share of nothing)
     shares.committed(step, trace)           the step counted: the cursor moves on (SplitShares)
     shares.samples_per_step                 the step's global batch (samples_read: this process's part of the last)
+    shares.state_dict(), load_state_dict()  what a checkpoint keeps of the split: EvenShares' schedule of sizes
+
+EvenShares' sizes can follow the processes' speeds (straggler_action: rebalance): `resize(sizes)` changes every
+process's samples of each micro-step from the next step its loader has not read ahead to (the same call on every
+process, from the same gathered numbers); its samples and the global batch stay those of the even split.
 
 A new way of splitting is a function in infra.shares and, if it reads otherwise, a reader here with these calls.
 """
@@ -24,7 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from infra.data.loader import EpochOrder, SampleTrace, collate
-from infra.shares import Seat, process_share
+from infra.shares import Seat, SizeSchedule, process_share
 
 
 class Micro(NamedTuple):
@@ -99,6 +104,34 @@ class EvenShares:
     def committed(self, step: int, trace: SampleTrace | None) -> None:
         """Nothing to do: the loader's cursor moved as it read."""
 
+    def sizes(self, ahead: bool = False) -> list[int]:
+        """Each process's samples of a micro-step now (`ahead`: once the changes made so far are in force)."""
+        schedule = self.loader.schedule
+        return list(schedule.changes[-1][1] if ahead and schedule.changes else schedule.at(self.loader.batches_consumed))
+
+    def resize(self, sizes: list[int]) -> int:
+        """Every process's samples of each micro-step from the first step that no loader has read ahead to: the steps
+        until then."""
+        now = self.loader.batches_consumed
+        position = now + self.loader.read_ahead
+        position += -position % self.accumulation  # a step's micro-batches alike
+        self.loader.schedule.change(position, sizes)
+        return (position - now) // self.accumulation
+
+    def state_dict(self) -> dict:
+        return {"schedule": self.loader.schedule.state_dict()}
+
+    def load_state_dict(self, state: dict | None) -> str | None:
+        """The checkpoint's schedule, when it splits this run's micro-steps (its processes and sizes); else a line saying
+        the shares start even."""
+        if not state:
+            return None
+        schedule = SizeSchedule.from_state(state["schedule"])
+        if schedule.even != self.loader.schedule.even:
+            return f"shares: the checkpoint's were of {len(schedule.even)} processes x {schedule.even[0]}; even shares from here"
+        self.loader.schedule.changes = schedule.changes  # in place: a sampler holds the loader's schedule
+        return None
+
 
 class SplitShares:
     """A replica group's shares: of the `size` samples at the cursor, this process's part by its group's seat in the
@@ -125,6 +158,13 @@ class SplitShares:
 
     def stand_in(self):
         return self.global_batches.read(self.ids[:1])
+
+    def state_dict(self) -> dict:
+        """Nothing: the split follows from the quorum."""
+        return {}
+
+    def load_state_dict(self, state: dict | None) -> str | None:
+        return None
 
     def committed(self, step: int, trace: SampleTrace | None) -> None:
         self.global_batches.advance(self.cursor)
