@@ -102,6 +102,8 @@ def test_a_slow_rank_is_named_then_the_job_saves_and_exits_with_its_code(small_d
     assert found.info.status == "KILLED"
 
 
+@pytest.mark.slow  # a minute: out of the quick suite; CI runs it after the matrix (make test-ci-slow)
+@pytest.mark.ci
 def test_a_slow_rank_takes_fewer_samples_and_the_steps_keep_theirs(small_data, tmp_path):
     """straggler_action=rebalance, rank 1 slower by 20 ms a sample of its share through step 12 (fp32, no dropout):
     its share of each micro-step falls within two windows (and the rebalanced line names it), the checkpoint holds the
