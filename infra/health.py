@@ -15,6 +15,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, gather_object
 
 from infra.config import require
+from infra.environment import zero_stage
 
 STRAGGLER_EXIT_CODE = 75  # EX_TEMPFAIL: saved and stopped on purpose, to be restarted without the slow rank
 
@@ -58,6 +59,20 @@ class HealthConfig:
         require(self.straggler_patience >= 1, "straggler_patience", self.straggler_patience, "an integer >= 1")
         require(self.straggler_factor > 1, "straggler_factor", self.straggler_factor, "a number > 1")
         require(self.straggler_min_samples >= 1, "straggler_min_samples", self.straggler_min_samples, "an integer >= 1")
+
+
+def rebalance_problem(accelerator: Accelerator, action: str) -> str | None:
+    """Why straggler_action=rebalance cannot work under this engine, or None. Under ZeRO-3 and FSDP every forward
+    gathers the parameters, so a rank's forward time is the slowest rank's and its own speed is not measured: a rank
+    whose share fell would never get it back (seen: one sample of eight for good, fast again)."""
+    stage = zero_stage(accelerator)
+    if action != "rebalance" or not (accelerator.distributed_type == DistributedType.FSDP or stage == 3):
+        return None
+    engine = "FSDP" if stage is None else "ZeRO-3"
+    return (
+        f"straggler_action='rebalance' is not valid under {engine}: every forward gathers the parameters, so no rank's own "
+        "speed is measured; expected warn or checkpoint_and_exit there (rebalance: DDP, ZeRO-1/2)"
+    )
 
 
 class DesyncError(RuntimeError):

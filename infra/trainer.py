@@ -58,7 +58,7 @@ from infra.export import Exporter
 from infra.goodput import Goodput, summary
 from infra.guard import NonFiniteGuard
 from infra.hangs import Watchdog, log_forensics, roster
-from infra.health import STRAGGLER_EXIT_CODE, StragglerDetector, Window, check_replicas_in_sync
+from infra.health import STRAGGLER_EXIT_CODE, StragglerDetector, Window, check_replicas_in_sync, rebalance_problem
 from infra.hooks import Hooks
 from infra.job import Batch, Job, LossOutput
 from infra.levers import checkpoint_activations, compile_blocks
@@ -161,7 +161,7 @@ class Trainer:
         self.combine = combine or EngineSum()
         # a refusal here (LaunchError) leaves nothing on disk, not even the lock
         checkpoint_activations(acc, job.model, args.gradient_checkpointing)
-        if why := check_engine(acc, job.model):
+        if why := check_engine(acc, job.model) or rebalance_problem(acc, args.straggler_action):
             raise LaunchError(why)
         claim(acc, self.own_dir)  # one job per output_dir: before anything is written, held to the end
         if acc.is_main_process:

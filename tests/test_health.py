@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from infra.distributed import FSDP_ON_CPU_ENV
 from infra.health import STRAGGLER_EXIT_CODE
 from infra.testing import FAULTS_ENV
 from tests.conftest import REPO, launch_command, run_launch
@@ -22,9 +23,9 @@ from tests.test_pretrain import global_order, global_sequence, mixture_args, rec
 pytestmark = pytest.mark.multiprocess
 
 
-def run(args: list[str], tmp_path, faults: dict, num_processes: int = 2, timeout: int = 300, **kw) -> subprocess.CompletedProcess:
-    cmd, env = launch_command("cpu.yaml", args, tmp_path, num_processes=num_processes, **kw)
-    return run_launch(cmd, {**env, FAULTS_ENV: json.dumps(faults)}, timeout)
+def run(args: list[str], tmp_path, faults: dict, num_processes: int = 2, timeout: int = 300, config: str = "cpu.yaml", **kw):
+    cmd, env = launch_command(config, args, tmp_path, num_processes=num_processes, **kw)
+    return run_launch(cmd, {**env, FAULTS_ENV: json.dumps(faults), FSDP_ON_CPU_ENV: "1"}, timeout)
 
 
 def manifest(out, step: int) -> dict:
@@ -104,19 +105,19 @@ def test_a_slow_rank_is_named_then_the_job_saves_and_exits_with_its_code(small_d
 
 @pytest.mark.slow  # a minute: out of the quick suite; CI runs it after the matrix (make test-ci-slow)
 @pytest.mark.ci
-def test_a_slow_rank_takes_fewer_samples_and_the_steps_keep_theirs(small_data, tmp_path):
+def test_a_slow_rank_takes_fewer_samples_and_the_steps_keep_theirs(small_data, tmp_path, config="cpu.yaml"):
     """straggler_action=rebalance, rank 1 slower by 20 ms a sample of its share through step 12 (fp32, no dropout):
     its share of each micro-step falls within two windows (and the rebalanced line names it), the checkpoint holds the
     shares in force and the resumed run starts with them, and once rank 1 is fast again its share comes back. Every
     step trains on the even run's samples, in its order (rank 0's slice, then rank 1's), and the weights are the even
     run's up to the order of the sums."""
     exact = ("--attention_dropout", "0", "--mixed_precision", "no", "--straggler_window_steps", "2")
-    even = run(recipe_args(small_data, tmp_path / "even" / "out", 20, *exact), tmp_path / "even", {})
+    even = run(recipe_args(small_data, tmp_path / "even" / "out", 20, *exact), tmp_path / "even", {}, config=config)
     assert even.returncode == 0, even.stderr[-3000:]
     out, rebalance = tmp_path / "out", (*exact, "--straggler_action", "rebalance")
-    slow = run(recipe_args(small_data, out, 12, *rebalance), tmp_path, {"rank": 1, "slow_per_sample": [0.02, 1, 24]})
+    slow = run(recipe_args(small_data, out, 12, *rebalance), tmp_path, {"rank": 1, "slow_per_sample": [0.02, 1, 24]}, config=config)
     assert slow.returncode == 0, slow.stderr[-3000:]
-    resumed = run(recipe_args(small_data, out, 20, *rebalance), tmp_path, {})
+    resumed = run(recipe_args(small_data, out, 20, *rebalance), tmp_path, {}, config=config)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
     sizes = [[len(line["ids"]) for line in trace(out, rank)] for rank in (0, 1)]  # a micro-batch's, two a step
@@ -138,6 +139,18 @@ def test_a_slow_rank_takes_fewer_samples_and_the_steps_keep_theirs(small_data, t
     (found,) = client.search_runs([client.get_experiment_by_name("pretrain_clm").experiment_id])
     shares = [m.value for m in sorted(client.get_metric_history(found.info.run_id, "shares/rank_1"), key=lambda m: m.step)]
     assert min(shares) < 4 and len(shares) == 20 // 2, shares  # every window, one run across launches
+
+
+@pytest.mark.parametrize(("config", "engine"), [("zero3.yaml", "ZeRO-3"), ("fsdp.yaml", "FSDP")])
+def test_rebalancing_is_refused_where_every_forward_gathers_the_parameters(config, engine, small_data, tmp_path):
+    """There a rank's forward time is the slowest's: a share that fell was never given back (one sample of eight for
+    good after the rank was fast again, under both)."""
+    out = tmp_path / "out"
+    args = recipe_args(small_data, out, 4, "--straggler_action", "rebalance", "--report_to", "none")
+    proc = run(args, tmp_path, {}, config=config, launcher=(sys.executable, "-m", "infra.launch"))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"straggler_action='rebalance' is not valid under {engine}: every forward gathers the parameters" in proc.stderr
+    assert not (out / "checkpoints").exists()
 
 
 def test_a_hung_rank_fails_the_job_within_the_timeout_and_is_named(small_data, tmp_path):
