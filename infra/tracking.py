@@ -101,6 +101,8 @@ def start_run(
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 
     def init(uri: str, run_id: str | None) -> None:
+        if accelerator.is_main_process:
+            ensure_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", experiment), uri)
         accelerator.init_trackers(
             experiment,
             config=None if run_id else safe_params(config),
@@ -135,6 +137,23 @@ def start_run(
     remembered.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(remembered, started)
     return started
+
+
+def ensure_experiment(name: str, uri: str) -> None:
+    """The experiment `name` in the store, created if missing. accelerate's tracker looks it up and then creates it: of
+    jobs (replica groups, say) starting together on a new store, one creates it and the others' creates fail, which
+    would send their runs to the fallback store. Here the one that loses that race takes the winner's experiment."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    client = mlflow.MlflowClient(uri)
+    if client.get_experiment_by_name(name) is not None:
+        return
+    try:
+        client.create_experiment(name, artifact_location=artifact_dir(uri))
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
 
 
 def last_logged_step(run_id: str | None, key: str = "train/loss") -> int:

@@ -271,3 +271,31 @@ def test_a_server_down_at_start_sends_the_run_to_the_local_store(tmp_path, monke
     assert run.info.status == "FINISHED" and run.data.tags["recipe"] == "x" and run.data.metrics["train/loss"] == 1.5
     assert run.data.params == {"TrainingArguments.learning_rate": "0.01", "TrainingArguments.hf_token": REDACTED}
     assert (tmp_path / "out" / "mlflow_run_id").read_text() == run_id
+
+
+def test_jobs_that_start_together_on_a_new_store_log_to_it(store, tmp_path, monkeypatch, capsys):
+    """Replica groups (or jobs) starting at once on a new store each look the experiment up, find none and create it: one
+    wins and the others' creates fail (measured: 2 of 30 tries of three processes). Here another job creates it between
+    this one's look-up and its create; the run must still land in the store's one experiment, not in the fallback."""
+    from accelerate import Accelerator
+
+    from infra import tracking
+
+    local = f"sqlite:///{tmp_path / 'local.db'}"
+    monkeypatch.setattr(tracking, "DEFAULT_URI", local)
+    create = mlflow.MlflowClient.create_experiment
+
+    def another_job_first(self, name, *args, **kwargs):  # the race, lost every time
+        monkeypatch.setattr(mlflow.MlflowClient, "create_experiment", create)
+        create(mlflow.MlflowClient(store), name)
+        return create(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(mlflow.MlflowClient, "create_experiment", another_job_first)
+    try:
+        run_id = tracking.start_run(Accelerator(log_with="mlflow"), "exp", "lr0.01", {"T": {"lr": 0.01}}, tmp_path / "out")
+        end_run("FINISHED")
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert "unreachable" not in capsys.readouterr().out
+    client = mlflow.MlflowClient(store)
+    assert [run.info.run_id for run in client.search_runs([client.get_experiment_by_name("exp").experiment_id])] == [run_id]
