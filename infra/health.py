@@ -52,6 +52,14 @@ class HealthConfig:
         default=1,
         metadata={"help": "With straggler_action=rebalance, the fewest samples of a micro-step a process keeps (at most the even share)."},
     )
+    straggler_leave_factor: float = field(
+        default=4.0,
+        metadata={
+            "help": "With straggler_action=rebalance, a process slower a sample than this x the median's for straggler_patience "
+            "windows, or still the slowest step at straggler_min_samples, is left out: saved, exit 75, its host named in "
+            "stopped.json (0: never left out)."
+        },
+    )
 
     def __post_init__(self):
         for name in ("ddp_timeout", "ddp_step_timeout", "straggler_window_steps"):
@@ -59,6 +67,9 @@ class HealthConfig:
         require(self.straggler_patience >= 1, "straggler_patience", self.straggler_patience, "an integer >= 1")
         require(self.straggler_factor > 1, "straggler_factor", self.straggler_factor, "a number > 1")
         require(self.straggler_min_samples >= 1, "straggler_min_samples", self.straggler_min_samples, "an integer >= 1")
+        leave = self.straggler_leave_factor
+        above = f"0 or a number > straggler_factor ({self.straggler_factor:g})"
+        require(leave == 0 or leave > self.straggler_factor, "straggler_leave_factor", leave, above)
 
 
 def rebalance_problem(accelerator: Accelerator, action: str) -> str | None:

@@ -78,46 +78,111 @@ def fastest_split(
 
 class Speeds:
     """Each process's seconds a micro-batch as a line in its samples: an overhead that does not shrink with the share
-    (the passes' launch and Python time, a micro-batch's fixed cost) plus its seconds a sample. A window's measure at
-    one size gives the seconds a sample once the overhead is known; two windows at different sizes give the overhead
-    (none until then). With the overhead counted, a process given fewer samples does not look slower a sample, which
-    would take samples from it again and again."""
+    (the passes' launch and Python time, a micro-batch's fixed cost) plus its seconds a sample. With the overhead
+    counted, a process given fewer samples does not look slower a sample, which would take samples from it again and
+    again; without it the shares still settle where the measured times agree, only a window or two later.
+
+    A process's overhead is kept as a fraction of its time (a host slowed or freed is slowed or freed at both alike),
+    from its last two windows at sizes a quarter or more apart (nearer, the slope is the timing's noise), and never
+    counted above half its time: an overhead counted too large moves too many samples and the shares swing (seen on CPU
+    hosts held by a CFS quota, whose time comes in bursts: the slow host given more than the fast one for a window),
+    where one counted too small only takes another window to settle. (What the model cannot see, a process fast again
+    at the floor of its share with an overhead learnt while it was slow, the probe in `rebalanced` moves.)"""
+
+    MOST_OVERHEAD = 0.5  # of a micro-batch's time
 
     def __init__(self, processes: int):
-        self.overhead = [0.0] * processes
+        self.overhead = [0.0] * processes  # seconds
         self.per_sample = [0.0] * processes
+        self.fraction = [0.0] * processes  # the overhead's part of a micro-batch's time
         self.last: list[tuple[float, float] | None] = [None] * processes  # (samples, seconds) of a micro-batch
 
     def measured(self, sizes: Sequence[float], seconds: Sequence[float]) -> None:
         """A window's mean samples and seconds of a micro-batch, a process each (the same numbers on every process)."""
         for p, (size, time) in enumerate(zip(sizes, seconds, strict=True)):
-            if not (size > 0 and time > 0 and math.isfinite(time)):
+            if not (size > 0 and 0 < time < math.inf):
                 continue
             last = self.last[p]
-            if last is not None and abs(size - last[0]) >= 0.5:
+            if last is not None and abs(size - last[0]) >= max(1.0, 0.25 * max(size, last[0])):
                 slope = (time - last[1]) / (size - last[0])
                 if slope > 0:
-                    self.overhead[p] = min(max(time - slope * size, 0.0), 0.9 * time)
-            self.per_sample[p] = (time - self.overhead[p]) / size
+                    self.fraction[p] = min(max(1 - slope * size / time, 0.0), self.MOST_OVERHEAD)
             self.last[p] = (size, time)
+            self.overhead[p] = self.fraction[p] * time
+            self.per_sample[p] = (time - self.overhead[p]) / size
 
     def known(self) -> bool:
         return all(t > 0 for t in self.per_sample)
+
+    def state_dict(self) -> dict:
+        return {"overhead": self.overhead, "per_sample": self.per_sample, "fraction": self.fraction, "last": self.last}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """What a checkpoint's run had learnt, when it had as many processes (a process at the floor of its share learns
+        its overhead only from windows at other sizes: started again without it, it could stay there)."""
+        if state and len(state["per_sample"]) == len(self.per_sample):
+            self.overhead, self.per_sample, self.fraction = list(state["overhead"]), list(state["per_sample"]), list(state["fraction"])
+            self.last = [tuple(last) if last else None for last in state["last"]]
 
     def seconds(self, process: int, size: int) -> float:
         return self.overhead[process] + self.per_sample[process] * size
 
 
+class KeepingUp:
+    """The processes rebalancing cannot keep up with (straggler_action: rebalance), to be left out: one reported slow
+    (its step over straggler_factor x the median's for straggler_patience windows) through a window spent at the floor
+    of its share, where no fewer samples are left to give it; or one slower a sample than `factor` x the median
+    process's for `patience` windows in a row. `factor` 0: none is ever left out. The same decision on every process,
+    from the same gathered numbers."""
+
+    def __init__(self, processes: int, factor: float, patience: int, floor: int):
+        self.factor, self.patience, self.floor = factor, patience, floor
+        self.streak = [0] * processes
+
+    def behind(self, speeds: Speeds, sizes: Sequence[float], slow: Sequence[int]) -> dict[int, str]:
+        """After a window: each process to leave out, and why (its window's mean samples a micro-batch: `sizes`)."""
+        if not self.factor:
+            return {}
+        ordered = sorted(speeds.per_sample)
+        median = ordered[(len(ordered) - 1) // 2]
+        why = {}
+        for p, per_sample in enumerate(speeds.per_sample):
+            over = median > 0 and per_sample > self.factor * median
+            self.streak[p] = self.streak[p] + 1 if over else 0
+            if self.streak[p] >= self.patience:
+                why[p] = f"{per_sample / median:.1f}x the median process's seconds a sample for {self.streak[p]} windows"
+            elif p in slow and sizes[p] <= self.floor:
+                why[p] = f"still the slowest step at the floor of its share ({self.floor} sample{'s' if self.floor > 1 else ''})"
+        return why
+
+
 def rebalanced(current: Sequence[int], speeds: Speeds, floor: int = 1, gain: float = 0.05) -> list[int] | None:
     """The sizes the speeds call for (fastest_split), when they shorten the predicted micro-step (its slowest process's
-    time) by at least `gain` of it; else None, so that noise does not move samples to and fro. None too while a
-    process has no measure yet."""
+    time) by at least `gain` of it; else a probe (`probed`); else None, so that noise does not move samples to and fro.
+    None too while a process has no measure yet."""
     if not speeds.known():
         return None
     sizes = fastest_split(sum(current), speeds.seconds, len(current), floor)
     before = max(speeds.seconds(p, size) for p, size in enumerate(current))
     after = max(speeds.seconds(p, size) for p, size in enumerate(sizes))
-    return sizes if sizes != list(current) and after <= (1 - gain) * before else None
+    return sizes if sizes != list(current) and after <= (1 - gain) * before else probed(current, speeds, floor, gain)
+
+
+def probed(current: Sequence[int], speeds: Speeds, floor: int, gain: float) -> list[int] | None:
+    """One sample more for the process that finished first by twice `gain`, from the one that finished last, when the
+    first holds less than an even share and the split measured is the one in force: what the model would not move
+    where a process's time is mostly overhead that it cannot yet tell (a tiny model; a process fast again at the floor
+    of its share, whose time there says little of its seconds a sample). The window after, at the new size, tells."""
+    if any(last is None or round(last[0]) != size for last, size in zip(speeds.last, current, strict=True)):
+        return None  # a change not in force yet, or a window with several sizes
+    times = [last[1] for last in speeds.last]  # type: ignore[index]
+    first = min(range(len(times)), key=lambda p: (times[p], p))
+    last = max(range(len(times)), key=lambda p: (times[p], -p))
+    if current[first] * len(current) < sum(current) and current[last] > floor and times[first] < (1 - 2 * gain) * times[last]:
+        sizes = list(current)
+        sizes[first], sizes[last] = sizes[first] + 1, sizes[last] - 1
+        return sizes
+    return None
 
 
 @dataclass

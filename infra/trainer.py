@@ -71,7 +71,7 @@ from infra.optim import build_optimizer, build_scheduler
 from infra.preemption import Preemption, clear_stop_record, write_stop_record
 from infra.preflight import run_preflight
 from infra.recipe import attention_of
-from infra.shares import Seat, Speeds, rebalanced
+from infra.shares import KeepingUp, Seat, Speeds, rebalanced
 from infra.tracking import MetricLogger, end_run, last_logged_step, run_name_for, run_tags, start_run, tracking_uri
 
 
@@ -207,6 +207,7 @@ class Trainer:
         window, factor, patience = args.straggler_window_steps, args.straggler_factor, args.straggler_patience
         self.stragglers = StragglerDetector(acc, self.model, hosts, window, factor, patience)
         self.speeds = Speeds(acc.num_processes)  # what rebalancing learns of each rank's speed, window after window
+        self.keeping_up = KeepingUp(acc.num_processes, args.straggler_leave_factor, patience, args.straggler_min_samples)
         # set by resume(): they depend on the checkpoint resumed from
         self.run_id: str | None = None
         self.latest: dict[str, float] = {}  # the latest of each metric, eval included: checkpoints and keep_best read them
@@ -336,6 +337,7 @@ class Trainer:
             self.cursor.load_state_dict(manifest["cursor"])  # DataError: a data_mixture other than the checkpoint's, say
             if line := self.shares.load_state_dict(manifest.get("shares")):
                 self.accelerator.print(line)
+            self.speeds.load_state_dict(manifest.get("speeds"))
             self.hooks.on_state("resumed", state.step, self.model, self.optimizer)
         return path, manifest
 
@@ -510,24 +512,30 @@ class Trainer:
     def stop_reason(self, result: StepResult) -> dict | None:
         """Why to save and stop after this step (the stop record), or None: a preemption, or a straggler to exclude.
         Decided from agreed or gathered values: the same on every rank."""
-        window = self.stragglers.step()
+        window, behind = self.stragglers.step(), {}
         if window is not None:
             self.watch.log(window.ratios, step=self.state.step)
             if self.args.straggler_action == "rebalance":
-                self.rebalance(window)
+                behind = self.rebalance(window)
             if window.report:
                 self.accelerator.print(window.report)
         if result.preempted:
             return {"reason": "preempted", "signal": result.preempted}
         if window is not None and window.slow and self.args.straggler_action == "checkpoint_and_exit":
             return {"reason": "straggler", "hosts": sorted({self.stragglers.hosts[rank] for rank in window.slow})}
+        if behind:
+            return {"reason": "straggler", "hosts": sorted({self.stragglers.hosts[rank] for rank in behind})}
         return None
 
-    def rebalance(self, window: Window) -> None:
+    def rebalance(self, window: Window) -> dict[int, str]:
         """Each process's share of every micro-step after its speed, when that shortens the step (infra.shares.rebalanced):
         the same decision on every rank, from the same gathered numbers. Its line, and each process's share (shares/rank_i,
-        the samples of a micro-step) every window."""
+        the samples of a micro-step) every window. Returns the ranks it cannot keep up with (infra.shares.KeepingUp), each
+        named in a line: the job leaves them out."""
         self.speeds.measured(window.sizes, window.seconds)
+        behind = self.keeping_up.behind(self.speeds, window.sizes, window.slow)
+        for rank, why in behind.items():
+            self.accelerator.print(f"straggler: rank {rank} on {self.stragglers.hosts[rank]} cannot be kept up with: {why}; left out")
         now = self.shares.sizes(ahead=True)
         sizes = rebalanced(now, self.speeds, self.args.straggler_min_samples)
         if sizes is not None:
@@ -540,6 +548,7 @@ class Trainer:
             self.accelerator.print(f"rebalanced: each micro-step's {sum(sizes)} samples from step {self.state.step + steps + 1}: {was}")
             now = sizes
         self.watch.log({f"shares/rank_{r}": float(size) for r, size in enumerate(now)}, step=self.state.step)
+        return behind
 
     def eval_due(self) -> bool:
         args, step = self.args, self.state.step
@@ -578,6 +587,7 @@ class Trainer:
         # a copy of the metrics: a background save writes its manifest later, while the loop goes on updating them
         facts = {**state.state_dict(), "cursor": self.cursor.state_dict(), "metrics": dict(self.latest), "mlflow_run_id": self.run_id}
         facts["shares"] = self.shares.state_dict()  # each process's samples of every micro-step (rebalanced or even)
+        facts["speeds"] = self.speeds.state_dict()  # what rebalancing has learnt of each process's speed
         facts["goodput"] = self.watch.goodput.ledger()  # the time history of these weights (infra.goodput)
         facts["companions"] = {name: c.source for name, c in self.job.companions.items()}  # not saved: rebuilt from these
         try:

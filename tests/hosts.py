@@ -6,6 +6,7 @@
         hosts.link(1, up=False)           # host 1's interface down, its processes alive: a dead link
 
     with Hosts(4, cpus=0.6) as hosts:     # each host also held to 0.6 of a core (a CPU cgroup of its own)
+        hosts.set_cpus(1, 0.3)            # host 1 slowed to half its share from now on (a throttled node)
 
 Each host is a network namespace with its own loopback and one interface (`eth0`) on a bridge in a switch namespace
 of its own, so nothing is added to the machine's own network. Its address comes from 10.231.0.0/24, used only inside
@@ -38,7 +39,7 @@ PREFIX = "infrahost"
 INTERFACE = "eth0"
 CGROUP_V1 = Path("/sys/fs/cgroup/cpu")  # the cpu controller's hierarchy under cgroup v1
 CGROUP_V2 = Path("/sys/fs/cgroup")  # the unified hierarchy, when it is mounted there
-PERIOD_US = 100_000
+PERIOD_US = 10_000  # a CFS period of 10 ms: a host held to a share runs at it smoothly, not in 100 ms bursts
 
 
 def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -118,16 +119,9 @@ class Hosts:
             _ip("link", "set", "lo", "up", ns=ns)
             _ip("addr", "add", f"{self.addresses[i]}/24", "dev", INTERFACE, ns=ns)
             _ip("link", "set", INTERFACE, "up", ns=ns)
-        for cgroup in self.cgroups:
+        for host, cgroup in enumerate(self.cgroups):
             cgroup.mkdir()
-            quota = str(round(self.cpus * PERIOD_US))
-            if cgroup_root() == CGROUP_V1:
-                (cgroup / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-                (cgroup / "cpu.cfs_quota_us").write_text(quota)
-            else:  # the cpu controller must be on for the root's children (it is where systemd runs)
-                with contextlib.suppress(OSError):
-                    (CGROUP_V2 / "cgroup.subtree_control").write_text("+cpu")
-                (cgroup / "cpu.max").write_text(f"{quota} {PERIOD_US}")
+            self.set_cpus(host, self.cpus)
 
     def remove(self) -> None:
         """Every process on the hosts killed, then the namespaces and their files deleted."""
@@ -159,6 +153,21 @@ class Hosts:
             proc = subprocess.Popen(wrapped, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append(proc)
         return proc
+
+    def set_cpus(self, host: int, cpus: float) -> None:
+        """`host` held to `cpus` cores' worth of time from now on (hosts made with `cpus` only): a host slowed, or freed."""
+        if not self.cgroups:
+            raise ValueError("set_cpus needs hosts made with cpus=: they have no CPU cgroup")
+        if not 0.01 <= cpus <= (os.cpu_count() or 1):
+            raise ValueError(f"cpus={cpus} is not accepted: give a number of cores between 0.01 and {os.cpu_count()}")
+        cgroup, quota = self.cgroups[host], str(round(cpus * PERIOD_US))
+        if cgroup_root() == CGROUP_V1:
+            (cgroup / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+            (cgroup / "cpu.cfs_quota_us").write_text(quota)
+        else:  # the cpu controller must be on for the root's children (it is where systemd runs)
+            with contextlib.suppress(OSError):
+                (CGROUP_V2 / "cgroup.subtree_control").write_text("+cpu")
+            (cgroup / "cpu.max").write_text(f"{quota} {PERIOD_US}")
 
     def pids(self, host: int) -> list[int]:
         listed = subprocess.run(["ip", "netns", "pids", self.namespaces[host]], capture_output=True, text=True).stdout

@@ -92,6 +92,7 @@ def test_resolved_config_flattens_to_dotted_params():
         ("", ["--attn_implementation", "flash_attention_2"], "expected an installed kernel: flash_attention_2 needs a CUDA GPU"),
         ("", ["--attn_implementation", "flex_attention"], "expected a kernel that trains here: flex_attention needs a CUDA GPU"),
         ("", ["--straggler_action", "rebalance", "--straggler_min_samples", "9"], "straggler_min_samples=9 is not valid: expected at most"),
+        ("", ["--straggler_leave_factor", "1.2"], "straggler_leave_factor=1.2 is not valid: expected 0 or a number > straggler_factor"),
         (
             "",
             [
@@ -193,6 +194,7 @@ FROZEN_SURFACE = {
         "straggler_patience": 3,
         "straggler_action": "warn",
         "straggler_min_samples": 1,
+        "straggler_leave_factor": 4.0,
         "preflight": True,
         "preflight_only": False,
         "time_budget_hours": 0.0,

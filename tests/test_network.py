@@ -23,9 +23,9 @@ from infra.hangs import AUTO_FLOOR_SECONDS, PEER_LOST_EXIT_CODE, SILENT_FLOOR_SE
 from infra.launch import AGENT_GRACE_SECONDS
 from infra.rendezvous import TIMEOUT_ENV
 from infra.testing import FAULTS_ENV
-from tests.conftest import REPO, launch_command
+from tests.conftest import REPO, launch, launch_command
 from tests.hosts import Hosts
-from tests.test_pretrain import STEPS, assert_same_weights, recipe_args, trace
+from tests.test_pretrain import STEPS, assert_same_weights, global_sequence, recipe_args, trace, weights
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.skipif(bool(Hosts.unavailable()), reason=str(Hosts.unavailable()))]
 
@@ -111,7 +111,12 @@ def test_a_host_with_a_cpu_share_holds_its_processes_to_it_and_leaves_nothing(tm
         assert sleeper.pid in members  # the wrappers exec: the pid started is the command's
         assert not set(members) & {int(p) for p in (hosts.cgroups[0] / "cgroup.procs").read_text().split()}
         stat = dict(line.split() for line in (cgroup / "cpu.stat").read_text().splitlines())
-        assert int(stat["nr_throttled"]) > 0, stat  # 0.5 s of a core at 0.01 s per 0.1 s: throttled, or no share
+        assert int(stat["nr_throttled"]) > 0, stat  # 0.5 s of a core at 1 ms per 10 ms: throttled, or no share
+        hosts.set_cpus(1, 0.5)  # a host slowed or freed while it runs
+        quota = cgroup / "cpu.cfs_quota_us" if (cgroup / "cpu.cfs_quota_us").exists() else cgroup / "cpu.max"
+        assert quota.read_text().split()[0] == "5000" and hosts.cgroups[0].joinpath(quota.name).read_text().split()[0] == "1000"
+        with pytest.raises(ValueError, match="cpus=0 is not accepted"):
+            hosts.set_cpus(1, 0)
     assert not any(c.exists() for c in hosts.cgroups)
     with pytest.raises(ValueError, match="cpus=0 is not accepted"):
         Hosts(2, cpus=0)
@@ -403,3 +408,42 @@ def test_a_node_that_cannot_join_is_refused_in_one_line_before_anything_is_writt
                     "machine_rank 0 serves the rendezvous there, so it must run on the machine with that address"
                 )
     assert not out.exists()
+
+
+def shares_of(tmp: Path, rank: int) -> dict[int, float]:
+    """The job's shares/rank_{rank} by step (a rank's samples of a micro-step, logged every straggler window)."""
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("pretrain_clm").experiment_id])
+    return {m.step: m.value for m in sorted(client.get_metric_history(run.info.run_id, f"shares/rank_{rank}"), key=lambda m: m.step)}
+
+
+@pytest.mark.slow  # 2 minutes: out of the quick suite; CI runs it after the matrix (make test-ci-slow)
+@pytest.mark.ci
+@pytest.mark.skipif(bool(Hosts.unavailable(cpus=True)), reason=str(Hosts.unavailable(cpus=True)))
+def test_a_host_held_to_a_fifth_of_its_cpu_share_gives_up_samples_and_takes_them_back(small_data, tmp_path):
+    """Two hosts of half a core each (a CPU cgroup a host: a real slow machine, not an injected sleep), one process a
+    host, straggler_action=rebalance with windows of 2 steps; host 1 held to a tenth of a core from step 4 or so until
+    step 12 has been saved. Its share of each micro-step (4 of 8 when even) falls while it is slow and comes back once it
+    is not; every step trains on an even run's samples in its order, and the final weights are that run's within 1e-5
+    (fp32, no dropout: the order of the sums aside, the same computation)."""
+    exact = ("--attention_dropout", "0", "--mixed_precision", "no", "--straggler_window_steps", "2")
+    even = tmp_path / "even"
+    assert launch("cpu.yaml", recipe_args(small_data, even / "out", 2 * STEPS, *exact), even).returncode == 0
+    with Hosts(2, cpus=0.5) as hosts:
+        rebalance = ("--straggler_action", "rebalance", "--straggler_leave_factor", "0")  # slow for a while, never left out
+        job = Job(hosts, small_data, tmp_path, "rebalance", extra=(*exact, *rebalance))
+        job.wait_for_checkpoint(4)
+        hosts.set_cpus(1, 0.1)
+        job.wait_for_checkpoint(12)
+        hosts.set_cpus(1, 0.5)
+        job.finish()
+    shares = shares_of(tmp_path, 1)
+    assert list(shares) == list(range(2, 2 * STEPS + 1, 2)), shares  # every window
+    assert min(shares[step] for step in (6, 8, 10, 12)) <= 2, shares  # at a fifth of the other's speed: a fifth or less
+    assert min(shares[step] for step in range(20, 2 * STEPS + 1, 2)) >= 3, shares  # alike again: within a sample of even
+    assert any("rebalanced: " in job.log(h) and ", rank 1 on h1 4 -> " in job.log(h) for h in (0, 1)), job.log(0)[-3000:]
+    assert global_sequence(tmp_path / "out", 2) == global_sequence(even / "out", 2)  # the same samples, in the same order
+    ours, theirs = weights(tmp_path / "out"), weights(even / "out")
+    assert max(float((ours[name] - theirs[name]).abs().max()) for name in theirs) < 1e-5
