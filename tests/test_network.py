@@ -305,12 +305,18 @@ def samples_by_step(out: Path) -> dict[int, list[int]]:
     return {step: sorted(ids) for step, ids in sorted(steps.items())}
 
 
-def final_loss(tmp: Path) -> float:
+def history(tmp: Path, key: str) -> dict[int, float]:
+    """`key` of the job's one MLflow run (the store of `tmp`), by step."""
     import mlflow
 
     client = mlflow.MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("pretrain_clm").experiment_id])
-    return max(client.get_metric_history(run.info.run_id, "train/loss"), key=lambda m: m.step).value
+    return {m.step: m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)}
+
+
+def final_loss(tmp: Path) -> float:
+    losses = history(tmp, "train/loss")
+    return losses[max(losses)]
 
 
 @pytest.mark.slow  # minutes: out of the quick suite; CI runs it after the matrix (make test-ci-slow)
@@ -410,15 +416,6 @@ def test_a_node_that_cannot_join_is_refused_in_one_line_before_anything_is_writt
     assert not out.exists()
 
 
-def shares_of(tmp: Path, rank: int) -> dict[int, float]:
-    """The job's shares/rank_{rank} by step (a rank's samples of a micro-step, logged every straggler window)."""
-    import mlflow
-
-    client = mlflow.MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}")
-    (run,) = client.search_runs([client.get_experiment_by_name("pretrain_clm").experiment_id])
-    return {m.step: m.value for m in sorted(client.get_metric_history(run.info.run_id, f"shares/rank_{rank}"), key=lambda m: m.step)}
-
-
 @pytest.mark.slow  # 2 minutes: out of the quick suite; CI runs it after the matrix (make test-ci-slow)
 @pytest.mark.ci
 @pytest.mark.skipif(bool(Hosts.unavailable(cpus=True)), reason=str(Hosts.unavailable(cpus=True)))
@@ -439,7 +436,7 @@ def test_a_host_held_to_a_fifth_of_its_cpu_share_gives_up_samples_and_takes_them
         job.wait_for_checkpoint(12)
         hosts.set_cpus(1, 0.5)
         job.finish()
-    shares = shares_of(tmp_path, 1)
+    shares = history(tmp_path, "shares/rank_1")  # a rank's samples of a micro-step, logged every straggler window
     assert list(shares) == list(range(2, 2 * STEPS + 1, 2)), shares  # every window
     assert min(shares[step] for step in (6, 8, 10, 12)) <= 2, shares  # at a fifth of the other's speed: a fifth or less
     assert min(shares[step] for step in range(20, 2 * STEPS + 1, 2)) >= 3, shares  # alike again: within a sample of even
