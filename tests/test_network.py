@@ -233,7 +233,11 @@ def restarts_recover(straight, small_data, tmp_path, kills: int) -> None:
     """`kills` times in a row, the training process of one host (each in turn) killed a second after the group formed
     again; the launchers' in-job restarts (`--max_restarts`) must bring it back every time, and the run end as the
     uninterrupted one. One fault costs one restart: each host's agent (its log at INFO) restarted its group once a kill,
-    the killed host's as the other's (whose rank stopped for the lost peer), never twice."""
+    never twice. The killed host's agent restarts for the failure ("attempts left; will restart worker group"); the
+    other's either for its rank that stopped for the lost peer (the same line) or, when the killed host's agent joins the
+    next rendezvous round before that rank has noticed (it was sleeping in its slow step), for the new round while its
+    rank is still healthy ("Detected 1 new nodes ...; will restart worker group", which torch does not count against
+    --max_restarts): both are the one restart, and which comes first is a race (CI met the second once)."""
     out = tmp_path / "out"
     with Hosts(2) as hosts, mock.patch.dict(os.environ, {"LOGLEVEL": "INFO"}):
         job = Job(hosts, small_data, tmp_path, "restarts", {"rank": "all", "slow_seconds": 0.25}, restarts=kills)
@@ -254,7 +258,9 @@ def restarts_recover(straight, small_data, tmp_path, kills: int) -> None:
     log = job.log(0)
     assert log.count("world size 2 (MULTI_CPU)") == kills + 1 and "Connection refused" not in log + job.log(1)
     for host in (0, 1):
-        assert job.log(host).count("attempts left; will restart worker group") == kills, job.log(host)[-3000:]
+        restarts = [line for line in job.log(host).splitlines() if line.endswith("will restart worker group")]
+        assert len(restarts) == kills, "\n".join(restarts) + "\n" + job.log(host)[-3000:]
+    assert job.log(0).count("attempts left; will restart worker group") >= 2  # h0's rank was killed twice
     assert_same_weights(straight[0] / "out", out)
     for rank in (0, 1):
         assert trace(out, rank) == trace(straight[0] / "out", rank)
