@@ -17,7 +17,10 @@ What a scheduler does to a job, and what each launcher then reports:
   restart then shares one store: a restarted rank can read its peer's address of the attempt before and fail to
   connect. This launcher asks for the c10d rendezvous with a store of its own for each attempt, unless
   `--rdzv_backend` is given (infra.rendezvous). `--min_machines N` (this launcher's) lets the job shrink to N machines
-  and grow back within one launch (torch elastic's `N:num_machines` nodes).
+  and grow back within one launch (torch elastic's `N:num_machines` nodes); a straggler the job cannot keep up with
+  then leaves in-job: its host's launcher ends with 75 in one line, and the others go on (infra.leave).
+- Ranks that stop the job (a straggler) with in-job restarts left: plain `accelerate launch` starts them again, slow
+  host included, until its restarts run out. This launcher ends with their code when they ask (infra.leave).
 
 Otherwise it is `accelerate launch`, with the same arguments. The training processes catch both signals themselves
 (infra.preemption, infra.consensus): a signal that reaches a process twice (the scheduler signals every process, and this
@@ -40,6 +43,7 @@ import time
 from pathlib import Path
 
 from infra.hangs import LAUNCH_STATUS_ENV, PEER_LOST_EXIT_CODE
+from infra.leave import ending
 from infra.rendezvous import TIMEOUT_ENV, elastic, elastic_problem, flag, node_problem, setting, with_rendezvous
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
@@ -92,8 +96,9 @@ AGENT_GRACE_SECONDS = 5.0
 
 
 def watch_agent(grace: float, restarts: bool) -> None:
-    """End this launcher once its training processes have exited for a lost peer (they say so in a folder this launcher
-    gives them) and torch elastic's agent has neither returned nor started them again `grace` seconds later. Its
+    """End this launcher at once when its training processes ask it to (they leave the job, or stop it with restarts
+    left: infra.leave), or once they have exited for a lost peer (they say so in a folder this launcher gives them)
+    and torch elastic's agent has neither returned nor started them again `grace` seconds later. Its
     rendezvous store on node 0 bounds no wait of its own: over a dead link the agent waited on it 300 s and more, and
     with a frozen node 0 (its kernel still accepts connections) an agent with restarts left waited on it for good. With
     restarts the grace is the rendezvous timeout: a new group that forms within it goes on."""
@@ -105,6 +110,10 @@ def watch_agent(grace: float, restarts: bool) -> None:
         since = running = None
         while True:
             time.sleep(0.5)
+            if (end := ending(Path(folder))) is not None:  # its ranks leave the job, or stop it (infra.leave)
+                print(f"launch: {end['message']}", file=sys.stderr, flush=True)
+                shutil.rmtree(folder, ignore_errors=True)
+                os._exit(end["code"])
             if children(os.getpid()):
                 running = running or time.time()
                 for path in Path(folder).glob("rank*.json"):  # an earlier attempt's: its processes were started again

@@ -18,6 +18,8 @@ import os
 import socket
 import time
 
+from infra.leave import MIN_MACHINES_ENV, RENDEZVOUS_HOST_ENV
+
 TIMEOUT_ENV = "INFRA_RENDEZVOUS_TIMEOUT"
 
 
@@ -93,6 +95,9 @@ def elastic(args: list[str]) -> list[str]:
     least = flag(args, MIN_MACHINES)
     if least is None:
         return args
+    if int(least) < machines(args):  # for the training processes: a host may leave in-job (infra.leave)
+        os.environ[MIN_MACHINES_ENV] = least
+        os.environ[RENDEZVOUS_HOST_ENV] = str(setting(args, "main_process_ip", "127.0.0.1"))
     import torch.distributed.run as elastic_run
 
     run = elastic_run.run

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -34,6 +35,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import gather_object
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
@@ -61,6 +63,7 @@ from infra.hangs import Watchdog, log_forensics, roster
 from infra.health import STRAGGLER_EXIT_CODE, StragglerDetector, Window, check_replicas_in_sync, rebalance_problem
 from infra.hooks import Hooks
 from infra.job import Batch, Job, LossOutput
+from infra.leave import MIN_MACHINES_ENV, end_launcher, in_job_problem, restarts_left
 from infra.levers import checkpoint_activations, compile_blocks
 from infra.lock import claim
 from infra.lora import check_engine
@@ -518,14 +521,27 @@ class Trainer:
             if self.args.straggler_action == "rebalance":
                 behind = self.rebalance(window)
             if window.report:
-                self.accelerator.print(window.report)
+                self.watch.say(window.report)
         if result.preempted:
             return {"reason": "preempted", "signal": result.preempted}
         if window is not None and window.slow and self.args.straggler_action == "checkpoint_and_exit":
-            return {"reason": "straggler", "hosts": sorted({self.stragglers.hosts[rank] for rank in window.slow})}
+            return self.leave_out(window.slow)
         if behind:
-            return {"reason": "straggler", "hosts": sorted({self.stragglers.hosts[rank] for rank in behind})}
+            return self.leave_out(behind)
         return None
+
+    def leave_out(self, ranks) -> dict:
+        """The stop that leaves the hosts of `ranks` out: in-job where the launch is elastic and can go on without them,
+        else by a stop for the scheduler (infra.leave). Its line says which, and why not in-job."""
+        hosts = sorted({self.stragglers.hosts[rank] for rank in ranks})
+        acc = self.accelerator
+        restarts = [restarts_left()] if acc.num_processes == 1 else gather_object([restarts_left()])
+        problem = in_job_problem(self.watch.watchdog.peers, hosts, restarts, self.args.fault_tolerance == "replicas")
+        if problem is None:
+            self.watch.say(f"straggler: {', '.join(hosts)} will leave the job; the others go on without it from this step")
+        elif MIN_MACHINES_ENV in os.environ:  # asked for elastic size: say why not this time
+            self.watch.say(f"straggler: the job cannot go on without {', '.join(hosts)} in this launch: {problem}")
+        return {"reason": "straggler", "hosts": hosts, **({"in_job": True} if problem is None else {})}
 
     def rebalance(self, window: Window) -> dict[int, str]:
         """Each process's share of every micro-step after its speed, when that shortens the step (infra.shares.rebalanced):
@@ -535,7 +551,7 @@ class Trainer:
         self.speeds.measured(window.sizes, window.seconds)
         behind = self.keeping_up.behind(self.speeds, window.sizes, window.slow)
         for rank, why in behind.items():
-            self.accelerator.print(f"straggler: rank {rank} on {self.stragglers.hosts[rank]} cannot be kept up with: {why}; left out")
+            self.watch.say(f"straggler: rank {rank} on {self.stragglers.hosts[rank]} cannot be kept up with: {why}; left out")
         now = self.shares.sizes(ahead=True)
         sizes = rebalanced(now, self.speeds, self.args.straggler_min_samples)
         if sizes is not None:
@@ -545,7 +561,7 @@ class Trainer:
                 f"rank {r} on {hosts[r]} {a} -> {b} ({t * 1000:.1f} ms a sample)"
                 for r, (a, b, t) in enumerate(zip(now, sizes, per_sample, strict=True))
             )
-            self.accelerator.print(f"rebalanced: each micro-step's {sum(sizes)} samples from step {self.state.step + steps + 1}: {was}")
+            self.watch.say(f"rebalanced: each micro-step's {sum(sizes)} samples from step {self.state.step + steps + 1}: {was}")
             now = sizes
         self.watch.log({f"shares/rank_{r}": float(size) for r, size in enumerate(now)}, step=self.state.step)
         return behind
@@ -621,11 +637,15 @@ class Trainer:
         straggler exits with 75."""
         acc, state = self.accelerator, self.state
         self.combine.close()
+        in_job = stop is not None and stop.get("in_job", False)
         if stop is not None:
-            if acc.is_main_process:
+            if acc.is_main_process and not in_job:
                 write_stop_record(self.own_dir, state.step, stop)
             if stop["reason"] == "preempted":
                 acc.print(f"preempted ({stop['signal']}): saved step {state.step}; the next launch resumes from it")
+            elif in_job:
+                hosts = " and ".join(stop["hosts"])
+                acc.print(f"straggler: saved step {state.step}; {hosts} leaves and the others restart without it (exit code 75)")
             else:
                 acc.print(
                     f"straggler: saved step {state.step}; exiting with code {STRAGGLER_EXIT_CODE} so the job restarts without the slow rank"
@@ -636,5 +656,22 @@ class Trainer:
             self.exporter.log_to_mlflow(self.args.register_model)
         end_run("FINISHED" if stop is None else "KILLED")
         acc.print(summary(goodput))
+        if stop is not None and stop["reason"] == "straggler":
+            self.part_ways(stop)
         acc.end_training()
         return STRAGGLER_EXIT_CODE if stop is not None and stop["reason"] == "straggler" else 0
+
+    def part_ways(self, stop: dict) -> None:
+        """After a straggler's stop, the launchers (infra.leave): in-job, a leaving host's ends (and its agent), and the
+        others' agents restart without it once it is gone; else, with in-job restarts left, every launcher ends, rather
+        than start the slow host again."""
+        rank, code = self.accelerator.process_index, STRAGGLER_EXIT_CODE
+        host, hosts = self.stragglers.hosts[rank], " and ".join(stop["hosts"])
+        if not stop.get("in_job"):
+            if restarts_left() > 0:
+                end_launcher(rank, code, f"the job stopped to leave {hosts} out: exiting with code {code}")
+        elif host in stop["hosts"]:
+            end_launcher(rank, code, f"{host} leaves the job, which goes on without it: exiting with code {code}")
+        else:
+            with contextlib.suppress(Exception):  # broken once the leaving ranks are gone: then this agent may restart
+                torch.distributed.barrier()

@@ -146,23 +146,29 @@ def test_a_slow_rank_takes_fewer_samples_and_the_steps_keep_theirs(small_data, t
 @pytest.mark.slow  # 40 s: out of the quick suite; CI runs it after the matrix (make test-ci-slow)
 @pytest.mark.ci
 @pytest.mark.parametrize(
-    ("leave_factor", "why"),
+    ("leave_factor", "why", "restarts"),
     [
-        ("4", "x the median process's seconds a sample for 2 windows"),
-        ("1000", "still the slowest step at the floor of its share (1 sample)"),
+        ("4", "x the median process's seconds a sample for 2 windows", "0"),
+        ("1000", "still the slowest step at the floor of its share (1 sample)", "2"),
     ],
-    ids=["by-speed", "at-the-floor"],
+    ids=["by-speed", "at-the-floor-with-in-job-restarts"],
 )
-def test_a_rank_rebalancing_cannot_keep_up_with_is_left_out(leave_factor, why, small_data, tmp_path):
+def test_a_rank_rebalancing_cannot_keep_up_with_is_left_out(leave_factor, why, restarts, small_data, tmp_path):
     """Rank 1 200 ms a sample slower (the others take about 1 ms): rebalanced down to one sample of eight, it still sets
     the pace. Left out by its speed (over straggler_leave_factor x the median's a sample for straggler_patience
     windows), or, with a factor too large for that, once a window spent at the floor of its share still finds it slow: one line naming
-    it, the step saved, stopped.json naming its host for the scheduler, exit 75."""
+    it, the step saved, stopped.json naming its host for the scheduler, exit 75. One machine: the job cannot go on
+    without it in the launch, so with in-job restarts left the launcher ends too, rather than start it again."""
     out = tmp_path / "out"
     args = recipe_args(small_data, out, 16, "--straggler_window_steps", "2", "--straggler_patience", "2")
     args += ["--straggler_action", "rebalance", "--straggler_leave_factor", leave_factor]
-    proc = run(args, tmp_path, {"rank": 1, "slow_per_sample": [0.2, 1, 1000]}, launcher=(sys.executable, "-m", "infra.launch"))
+    launcher = (sys.executable, "-m", "infra.launch")
+    slow = {"rank": 1, "slow_per_sample": [0.2, 1, 1000]}
+    proc = run(args, tmp_path, slow, launcher=launcher, launcher_args=("--max_restarts", restarts))
     assert proc.returncode == STRAGGLER_EXIT_CODE, proc.stderr[-3000:]
+    assert proc.stdout.count("world size 2 (MULTI_CPU)") == 1, proc.stdout[-3000:]  # started once, never again
+    if restarts != "0":
+        assert proc.stderr.strip().splitlines()[-1] == f"launch: the job stopped to leave {socket.gethostname()} out: exiting with code 75"
     line = next(line for line in proc.stdout.splitlines() if "cannot be kept up with" in line)
     assert line.startswith(f"straggler: rank 1 on {socket.gethostname()} cannot be kept up with: ") and why in line, line
     assert line.endswith("; left out") and "rank 0" not in proc.stdout.split("cannot be kept up with")[0].splitlines()[-1]
