@@ -61,6 +61,15 @@ class HealthConfig:
         },
     )
 
+    straggler_replay: str = field(
+        default="",
+        metadata={
+            "help": "A run's checkpoint folder, or its output_dir (its newest checkpoint): each process's samples of every "
+            "micro-step as that run had them (its rebalanced shares), instead of even ones: a replay bit-exact with it. "
+            "Not with straggler_action=rebalance."
+        },
+    )
+
     def __post_init__(self):
         for name in ("ddp_timeout", "ddp_step_timeout", "straggler_window_steps"):
             require(getattr(self, name) >= 0, name, getattr(self, name), "an integer >= 0")
@@ -70,6 +79,8 @@ class HealthConfig:
         leave = self.straggler_leave_factor
         above = f"0 or a number > straggler_factor ({self.straggler_factor:g})"
         require(leave == 0 or leave > self.straggler_factor, "straggler_leave_factor", leave, above)
+        replay = "a run's checkpoint or output_dir, with straggler_action warn or checkpoint_and_exit (its shares, not measured ones)"
+        require(not (self.straggler_replay and self.straggler_action == "rebalance"), "straggler_replay", self.straggler_replay, replay)
 
 
 def rebalance_problem(accelerator: Accelerator, action: str) -> str | None:

@@ -20,6 +20,7 @@ machine's ranks.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -176,6 +177,30 @@ def usable_memory(device: torch.device, local_ranks: int, model: torch.nn.Module
         local = getattr(p, "_local_tensor", p)  # an FSDP2 shard
         held += local.numel() * local.element_size()
     return psutil.virtual_memory().available / max(local_ranks, 1) + held
+
+
+def rank_memory(accelerator: Accelerator, model: torch.nn.Module) -> float:
+    """What this rank may use in all (usable_memory), its machine's ranks counted."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))  # on this machine
+    return usable_memory(accelerator.device, local_ranks, model)
+
+
+def most_samples(shape: Shape, setup: Setup, usable: float) -> int:
+    """The most samples of a micro-batch that fit in `usable` bytes by the estimate: its activations grow with them, the
+    rest does not."""
+    one, two = (sum(estimate(replace(shape, batch=b), setup).values()) for b in (1, 2))
+    return max(0, int((usable - (2 * one - two)) // (two - one)))
+
+
+def sample_caps(accelerator: Accelerator, model: torch.nn.Module, shape: Shape, setup: Setup) -> list[int]:
+    """Each rank's most samples of a micro-batch (most_samples), gathered: the same list on every rank, which bounds
+    the shares rebalancing gives (infra.shares.rebalanced)."""
+    mine = most_samples(shape, setup, rank_memory(accelerator, model))
+    if accelerator.num_processes == 1:
+        return [mine]
+    from accelerate.utils import gather_object
+
+    return gather_object([mine])
 
 
 def table(rows: dict[str, float], free: float) -> str:

@@ -29,7 +29,7 @@ from infra.config import require
 from infra.distributed import all_ranks_ok
 from infra.errors import RunError
 from infra.health import parameter_fingerprint
-from infra.memory import GIB, Setup, Shape, estimate, refusal, table, usable_memory
+from infra.memory import GIB, Setup, Shape, estimate, rank_memory, refusal, table
 
 
 @dataclass
@@ -98,8 +98,7 @@ def accelerators(accelerator: Accelerator) -> Check:
 def memory_fit(accelerator: Accelerator, model: torch.nn.Module, shape: Shape, setup: Setup) -> Check:
     """The estimate of what a training step holds on this rank (infra.memory), with its table, against what the rank may
     use; refused with the levers that would make it fit."""
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))  # on this machine
-    usable = usable_memory(accelerator.device, local_ranks, model)
+    usable = rank_memory(accelerator, model)
     rows = estimate(shape, setup)
     title = f"memory estimate per rank ({setup.engine}, {'bf16' if setup.bf16 else 'fp32'}"
     title += f", activation checkpointing {'on' if setup.checkpointing else 'off'}):"

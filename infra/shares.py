@@ -132,8 +132,8 @@ class KeepingUp:
     """The processes rebalancing cannot keep up with (straggler_action: rebalance), to be left out: one reported slow
     (its step over straggler_factor x the median's for straggler_patience windows) through a window spent at the floor
     of its share, where no fewer samples are left to give it; or one slower a sample than `factor` x the median
-    process's for `patience` windows in a row. `factor` 0: none is ever left out. The same decision on every process,
-    from the same gathered numbers."""
+    process's for `patience` windows in a row (windows at the floor count only when its step was reported slow too).
+    `factor` 0: none is ever left out. The same decision on every process, from the same gathered numbers."""
 
     def __init__(self, processes: int, factor: float, patience: int, floor: int):
         self.factor, self.patience, self.floor = factor, patience, floor
@@ -147,7 +147,10 @@ class KeepingUp:
         median = ordered[(len(ordered) - 1) // 2]
         why = {}
         for p, per_sample in enumerate(speeds.per_sample):
-            over = median > 0 and per_sample > self.factor * median
+            # at the floor a process's time is mostly overhead and its seconds a sample a guess (a process fast again
+            # there read 3.5-3.8x the median's): only its step, still the slowest, says it is slow
+            measured = sizes[p] > self.floor or p in slow
+            over = measured and median > 0 and per_sample > self.factor * median
             self.streak[p] = self.streak[p] + 1 if over else 0
             if self.streak[p] >= self.patience:
                 why[p] = f"{per_sample / median:.1f}x the median process's seconds a sample for {self.streak[p]} windows"
@@ -156,19 +159,26 @@ class KeepingUp:
         return why
 
 
-def rebalanced(current: Sequence[int], speeds: Speeds, floor: int = 1, gain: float = 0.05) -> list[int] | None:
+def rebalanced(
+    current: Sequence[int], speeds: Speeds, floor: int = 1, gain: float = 0.05, caps: Sequence[int] | None = None
+) -> list[int] | None:
     """The sizes the speeds call for (fastest_split), when they shorten the predicted micro-step (its slowest process's
     time) by at least `gain` of it; else a probe (`probed`); else None, so that noise does not move samples to and fro.
-    None too while a process has no measure yet."""
+    None too while a process has no measure yet. `caps`: each process's most samples (what fits in its memory: the
+    estimate's, infra.memory.sample_caps), ignored where they could not hold the micro-step."""
     if not speeds.known():
         return None
-    sizes = fastest_split(sum(current), speeds.seconds, len(current), floor)
+    total = sum(current)
+    caps = [total] * len(current) if caps is None else [max(floor, min(c, total)) for c in caps]
+    if sum(caps) < total:
+        caps = [total] * len(current)
+    sizes = fastest_split(total, speeds.seconds, len(current), floor, caps)
     before = max(speeds.seconds(p, size) for p, size in enumerate(current))
     after = max(speeds.seconds(p, size) for p, size in enumerate(sizes))
-    return sizes if sizes != list(current) and after <= (1 - gain) * before else probed(current, speeds, floor, gain)
+    return sizes if sizes != list(current) and after <= (1 - gain) * before else probed(current, speeds, floor, gain, caps)
 
 
-def probed(current: Sequence[int], speeds: Speeds, floor: int, gain: float) -> list[int] | None:
+def probed(current: Sequence[int], speeds: Speeds, floor: int, gain: float, caps: Sequence[int]) -> list[int] | None:
     """One sample more for the process that finished first by twice `gain`, from the one that finished last, when the
     first holds less than an even share and the split measured is the one in force: what the model would not move
     where a process's time is mostly overhead that it cannot yet tell (a tiny model; a process fast again at the floor
@@ -178,7 +188,8 @@ def probed(current: Sequence[int], speeds: Speeds, floor: int, gain: float) -> l
     times = [last[1] for last in speeds.last]  # type: ignore[index]
     first = min(range(len(times)), key=lambda p: (times[p], p))
     last = max(range(len(times)), key=lambda p: (times[p], -p))
-    if current[first] * len(current) < sum(current) and current[last] > floor and times[first] < (1 - 2 * gain) * times[last]:
+    below = current[first] * len(current) < sum(current) and current[first] < caps[first]
+    if below and current[last] > floor and times[first] < (1 - 2 * gain) * times[last]:
         sizes = list(current)
         sizes[first], sizes[last] = sizes[first] + 1, sizes[last] - 1
         return sizes

@@ -45,6 +45,7 @@ from infra.checkpoint import (
     CheckpointManager,
     RetentionPolicy,
     SaveClock,
+    manifest_of,
 )
 from infra.checkpoint.trainable import has_frozen_parameters, keep_trainable_only
 from infra.combine import Combine, EngineSum
@@ -67,7 +68,7 @@ from infra.leave import MIN_MACHINES_ENV, end_launcher, in_job_problem, restarts
 from infra.levers import checkpoint_activations, compile_blocks
 from infra.lock import claim
 from infra.lora import check_engine
-from infra.memory import Setup, Shape
+from infra.memory import Setup, Shape, sample_caps
 from infra.metrics import EtaCheck, TrainMetrics
 from infra.observers import Observers
 from infra.optim import build_optimizer, build_scheduler
@@ -211,6 +212,8 @@ class Trainer:
         self.stragglers = StragglerDetector(acc, self.model, hosts, window, factor, patience)
         self.speeds = Speeds(acc.num_processes)  # what rebalancing learns of each rank's speed, window after window
         self.keeping_up = KeepingUp(acc.num_processes, args.straggler_leave_factor, patience, args.straggler_min_samples)
+        rebalancing = args.straggler_action == "rebalance" and self.shape is not None  # what each rank's memory holds: its cap
+        self.caps = sample_caps(acc, self.model, self.shape, Setup.of(acc, args.gradient_checkpointing)) if rebalancing else None
         # set by resume(): they depend on the checkpoint resumed from
         self.run_id: str | None = None
         self.latest: dict[str, float] = {}  # the latest of each metric, eval included: checkpoints and keep_best read them
@@ -294,6 +297,8 @@ class Trainer:
         MLflow run, and the loop's meters from that step."""
         acc, args, state = self.accelerator, self.args, self.state
         path, manifest = self.restore()
+        if args.straggler_replay and (why := self.shares.replay(manifest_of(args.straggler_replay, "shares")["shares"])):
+            raise LaunchError(f"straggler_replay={args.straggler_replay} cannot be replayed here: {why}")  # a recorded run's shares
         self.clock.restart()
         if save_seconds and args.save_interval_minutes == "auto":  # Young/Daly from the preflight's save, not a default
             acc.print(f"a save takes {save_seconds:.1f}s: saving every {self.clock.saved(save_seconds):.1f} min (Young/Daly)")
@@ -553,7 +558,7 @@ class Trainer:
         for rank, why in behind.items():
             self.watch.say(f"straggler: rank {rank} on {self.stragglers.hosts[rank]} cannot be kept up with: {why}; left out")
         now = self.shares.sizes(ahead=True)
-        sizes = rebalanced(now, self.speeds, self.args.straggler_min_samples)
+        sizes = rebalanced(now, self.speeds, self.args.straggler_min_samples, caps=self.caps)
         if sizes is not None:
             steps = self.shares.resize(sizes)
             hosts, per_sample = self.stragglers.hosts, self.speeds.per_sample

@@ -95,6 +95,11 @@ def test_resolved_config_flattens_to_dotted_params():
         ("", ["--straggler_leave_factor", "1.2"], "straggler_leave_factor=1.2 is not valid: expected 0 or a number > straggler_factor"),
         (
             "",
+            ["--straggler_replay", "runs/a", "--straggler_action", "rebalance"],
+            "straggler_replay='runs/a' is not valid: expected a run's checkpoint or output_dir, with straggler_action warn or",
+        ),
+        (
+            "",
             [
                 "--straggler_action",
                 "rebalance",
@@ -195,6 +200,7 @@ FROZEN_SURFACE = {
         "straggler_action": "warn",
         "straggler_min_samples": 1,
         "straggler_leave_factor": 4.0,
+        "straggler_replay": "",
         "preflight": True,
         "preflight_only": False,
         "time_budget_hours": 0.0,

@@ -18,7 +18,7 @@ from infra.distributed import FSDP_ON_CPU_ENV
 from infra.health import STRAGGLER_EXIT_CODE
 from infra.testing import FAULTS_ENV
 from tests.conftest import REPO, launch_command, run_launch
-from tests.test_pretrain import global_order, global_sequence, mixture_args, recipe_args, trace, weights
+from tests.test_pretrain import assert_same_weights, global_order, global_sequence, mixture_args, recipe_args, trace, weights
 
 pytestmark = pytest.mark.multiprocess
 
@@ -111,7 +111,8 @@ def test_a_slow_rank_takes_fewer_samples_and_the_steps_keep_theirs(small_data, t
     shares in force and the resumed run starts with them, and once rank 1 is fast again its share comes back (within
     the 6 windows to step 24: the tiny model's time is mostly overhead, so the share climbs a sample or so a window). Every
     step trains on the even run's samples, in its order (rank 0's slice, then rank 1's), and the weights are the even
-    run's up to the order of the sums."""
+    run's up to the order of the sums. Replayed from its recorded shares with nothing slow, it is the same run, bit for
+    bit."""
     exact = ("--attention_dropout", "0", "--mixed_precision", "no", "--straggler_window_steps", "2")
     steps = 24
     even = run(recipe_args(small_data, tmp_path / "even" / "out", steps, *exact), tmp_path / "even", {}, config=config)
@@ -133,7 +134,7 @@ def test_a_slow_rank_takes_fewer_samples_and_the_steps_keep_theirs(small_data, t
     assert ", rank 1 on " in line and "4 -> " in line, line
     assert global_sequence(out, 2) == global_sequence(tmp_path / "even" / "out", 2)  # the same samples, in the same order
     ours, theirs = weights(out), weights(tmp_path / "even" / "out")
-    assert max(float((ours[name] - theirs[name]).abs().max()) for name in theirs) < 1e-5
+    assert 0 < max(float((ours[name] - theirs[name]).abs().max()) for name in theirs) < 1e-5  # the sums' order: last bits
 
     import mlflow
 
@@ -141,6 +142,16 @@ def test_a_slow_rank_takes_fewer_samples_and_the_steps_keep_theirs(small_data, t
     (found,) = client.search_runs([client.get_experiment_by_name("pretrain_clm").experiment_id])
     shares = [m.value for m in sorted(client.get_metric_history(found.info.run_id, "shares/rank_1"), key=lambda m: m.step)]
     assert min(shares) < 4 and len(shares) == steps // 2, shares  # every window, one run across launches
+
+    # replayed from its output_dir's recorded shares (its newest checkpoint), nothing slow: every micro-step's samples on
+    # the same ranks, and the same weights bit for bit
+    again = tmp_path / "replay"
+    replay = run(recipe_args(small_data, again / "out", steps, *exact, "--straggler_replay", str(out)), again, {}, config=config)
+    assert replay.returncode == 0, replay.stderr[-3000:]
+    assert [[line["ids"] for line in trace(again / "out", rank)] for rank in (0, 1)] == [
+        [line["ids"] for line in trace(out, rank)] for rank in (0, 1)
+    ]
+    assert_same_weights(out, again / "out")
 
 
 @pytest.mark.slow  # 40 s: out of the quick suite; CI runs it after the matrix (make test-ci-slow)

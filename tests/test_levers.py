@@ -137,6 +137,29 @@ def test_compiled_blocks_keep_their_names_and_the_eager_gradients(tmp_path):
         assert torch.equal(a, b), name
 
 
+def test_compiled_blocks_recompile_a_bounded_number_of_times_as_rebalanced_shares_change():
+    """straggler_action=rebalance changes a rank's samples of a micro-batch window after window. Compiled blocks
+    recompile for the second size seen (torch's automatic dynamic shapes: the batch dimension becomes symbolic) and for
+    one sample (a size of 1 is always specialized), then never again, whatever the sizes that come."""
+    from accelerate import Accelerator
+    from torch._dynamo.utils import counters
+
+    from infra.levers import LeverConfig, compile_blocks
+
+    model, _ = tiny_model("llama")
+    # when to recompile is dynamo's, whatever the backend: aot_eager's compiles take a second, inductor's ten
+    compile_blocks(Accelerator(cpu=True), model, LeverConfig(torch_compile=True, torch_compile_backend="aot_eager"))
+
+    def step(size: int) -> int:
+        ids = torch.randint(0, 64, (size, 16))
+        model(input_ids=ids, labels=ids).loss.backward()
+        return counters["stats"]["unique_graphs"]
+
+    for size in (4, 3, 1):  # the first size, a second one, the floor
+        graphs = step(size)
+    assert [step(size) for size in (5, 2, 7, 1, 6, 3, 8)] == [graphs] * 7
+
+
 def test_a_launcher_that_compiles_while_the_recipe_does_not_is_refused(tiny_data, tmp_path):
     """torch_compile is decided in the recipe's config; a launcher config's dynamo_config that disagrees stops the run."""
     out = tmp_path / "out"

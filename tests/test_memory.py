@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from infra.memory import GIB, Setup, Shape, estimate, refusal
+from infra.memory import GIB, Setup, Shape, estimate, most_samples, refusal
 from tests.conftest import REPO, launch
 
 STEP = REPO / "tests" / "memory_step.py"
@@ -80,6 +80,20 @@ def test_a_run_that_cannot_fit_is_refused_with_the_levers_that_would_fit_it():
     why = refusal(shape, ddp, 40 * GIB)
     assert why is not None and why.startswith(f"the estimate is {sum(estimate(shape, ddp).values()) / GIB:.1f} GiB per rank")
     assert "it would fit with gradient_checkpointing: true" in why
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_most_samples_that_fit_are_the_estimates_own(checkpointing):
+    """What rebalancing may give a rank (infra.memory.most_samples): the estimate of that many samples fits, of one
+    more does not."""
+    shape, setup = preset_shape("1b")
+    setup = replace(setup, checkpointing=checkpointing)
+    for gib in (12, 24, 40, 80):
+        most = most_samples(shape, setup, gib * GIB)
+        assert most >= 1, gib
+        fits = [sum(estimate(replace(shape, batch=b), setup).values()) <= gib * GIB for b in (most, most + 1)]
+        assert fits == [True, False], (gib, most)
+    assert most_samples(shape, setup, 1 * GIB) == 0  # not even the weights
 
 
 def preset_step(name: str, tiny_data, tmp_path):

@@ -490,5 +490,6 @@ def test_a_host_held_to_a_tenth_of_its_cpu_share_leaves_and_the_job_finishes_wit
     assert "16 samples per step (4 micro-steps)" in log and "Traceback" not in log
     assert not (tmp_path / "out" / "stopped.json").exists()
     assert samples_by_step(tmp_path / "out") == samples_by_step(even / "out")  # every step's samples, each once
+    assert list(history(tmp_path, "train/loss")) == list(range(2, 2 * STEPS + 1, 2))  # one MLflow run, every step logged
     ours, theirs = weights(tmp_path / "out"), weights(even / "out")  # fp32, no dropout: the order of the sums aside, alike
     assert max(float((ours[name] - theirs[name]).abs().max()) for name in theirs) < 1e-5  # 4e-7 seen

@@ -3,6 +3,8 @@ loaders read by. The same samples, each once, in as many micro-batches in every 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -193,6 +195,20 @@ def test_the_fastest_split_finishes_first_in_whole_samples_within_its_bounds():
         SizeSchedule([4, 4]).change(5, [0, 8])
 
 
+def test_rebalancing_gives_no_process_more_than_its_memory_holds():
+    """Rank 0 ten times faster would take 15 of 16 samples; its memory holds 9 (infra.memory.sample_caps): it gets 9,
+    and the probe does not take it past its cap either. Caps that could not hold the micro-step are not applied."""
+    speeds = Speeds(2)
+    speeds.overhead, speeds.per_sample, speeds.fraction = [0.0, 0.0], [0.001, 0.01], [0.0, 0.0]
+    assert rebalanced([8, 8], speeds) == [15, 1]
+    assert rebalanced([8, 8], speeds, caps=[9, 64]) == [9, 7]
+    assert rebalanced([8, 8], speeds, caps=[7, 7]) == [15, 1]  # 14 < 16: the estimate is wrong, not the micro-step
+    speeds.per_sample = [0.01, 0.006]  # the model's best is [6, 10]; the times measured there say rank 0 finished first
+    speeds.last = [(6.0, 0.05), (10.0, 0.1)]
+    assert rebalanced([6, 10], speeds) == [7, 9]  # the probe: one more for it
+    assert rebalanced([6, 10], speeds, caps=[6, 64]) is None  # at its cap: no probe
+
+
 def test_a_process_given_fewer_samples_does_not_look_slower_for_its_overhead():
     """Two processes alike but for rank 1 three times slower a sample, each micro-batch 6 ms of overhead besides: the
     shares move to the fast one until the times agree, and once both are alike again they come back to even, not stuck
@@ -264,6 +280,9 @@ def test_a_process_rebalancing_cannot_keep_up_with_is_named_once_it_has_been_for
     # reported slow by its step through a window at its floor: nothing left to give it
     assert keeping.behind(speeds, [5, 6, 1], slow=[2]) == {2: "still the slowest step at the floor of its share (1 sample)"}
     assert keeping.behind(speeds, [5, 5, 2], slow=[2]) == {}  # not at the floor: rebalancing goes on
+    # at the floor its seconds a sample are a guess: 5x the median's, but its step not the slowest, counts for nothing
+    speeds.per_sample[2] = 0.005
+    assert [keeping.behind(speeds, [7, 8, 1], slow=[]) for _ in range(3)] == [{}, {}, {}] and keeping.streak == [0, 0, 0]
     off = KeepingUp(3, factor=0.0, patience=1, floor=1)  # off: never, neither by speed nor at the floor
     speeds.per_sample = [0.001, 0.001, 1.0]
     assert off.behind(speeds, [7, 4, 1], slow=[2]) == {}
@@ -292,3 +311,35 @@ def test_a_resize_waits_for_what_the_loaders_read_ahead_and_a_checkpoint_keeps_i
     other = EvenShares(ResumableLoader(dataset, 8, 7, 0, 1, DataCursor()), 2)  # another world size: even again
     assert other.load_state_dict(saved) == "shares: the checkpoint's were of 2 processes x 4; even shares from here"
     assert other.loader.schedule.at(10) == [8]
+
+
+def test_a_recorded_schedule_is_replayed_from_the_first_step_where_it_splits_this_runs_micro_steps(tmp_path):
+    """straggler_replay: a run's checkpoint (or its output_dir: the newest) gives its shares from the start; one of
+    another split is refused in a phrase, and so is a path that holds no checkpoint."""
+    from infra.checkpoint import CheckpointError, manifest_of
+    from infra.data.steps import EvenShares
+
+    recorded = {"schedule": {"even": [4, 4], "changes": [[2, [3, 5]], [6, [1, 7]]]}}
+    for step, changes in ((4, recorded["schedule"]["changes"][:1]), (8, recorded["schedule"]["changes"])):
+        folder = tmp_path / "run" / "checkpoints" / f"step_{step:08d}"
+        folder.mkdir(parents=True)
+        (folder / "manifest.json").write_text(json.dumps({"step": step, "shares": {"schedule": {"even": [4, 4], "changes": changes}}}))
+    assert manifest_of(tmp_path / "run", "shares")["step"] == 8  # the newest
+    assert manifest_of(tmp_path / "run" / "checkpoints" / "step_00000004", "shares")["step"] == 4
+
+    dataset = Shards([32, 32, 20, 32])
+    shares = [EvenShares(ResumableLoader(dataset, 4, 7, r, 2, DataCursor(), shuffle_window=24), 1) for r in range(2)]
+    assert all(each.replay(recorded) is None for each in shares)
+    for each in shares:
+        each.start()
+    taken = [[len(each.take(ALONE, 0, None)[0].ids) for each in shares] for _ in range(8)]
+    assert taken == [[4, 4], [4, 4], [3, 5], [3, 5], [3, 5], [3, 5], [1, 7], [1, 7]]
+    other = EvenShares(ResumableLoader(dataset, 4, 7, 0, 3, DataCursor()), 1)
+    assert other.replay(recorded) == "its shares split micro-steps of 2 processes x 4, this run's are 3 x 4"
+
+    with pytest.raises(CheckpointError, match="is not a checkpoint: expected a checkpoint folder"):
+        manifest_of(tmp_path, "shares")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "manifest.json").write_text(json.dumps({"step": 2}))
+    with pytest.raises(CheckpointError, match="records no shares"):
+        manifest_of(tmp_path / "old", "shares")

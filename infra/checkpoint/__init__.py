@@ -14,7 +14,7 @@
 
 from infra.checkpoint.clock import SaveClock, SaveClockConfig
 from infra.checkpoint.integrity import CheckpointError, Checksums, problem, read_manifest, seal, seal_shared, share
-from infra.checkpoint.manager import CONFIG, CORRUPT, CheckpointConfig, CheckpointManager
+from infra.checkpoint.manager import CONFIG, CORRUPT, CheckpointConfig, CheckpointManager, manifest_of
 from infra.checkpoint.retention import RetentionConfig, RetentionPolicy
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "RetentionPolicy",
     "SaveClock",
     "SaveClockConfig",
+    "manifest_of",
     "problem",
     "read_manifest",
     "seal",

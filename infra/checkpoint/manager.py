@@ -69,6 +69,22 @@ def step_of(checkpoint: Path) -> int:
     return int(checkpoint.name[len(PREFIX) :])
 
 
+def manifest_of(path: str | os.PathLike, field: str) -> dict[str, Any]:
+    """The manifest of the checkpoint folder `path`, or of the newest checkpoint of the run whose output_dir is `path`,
+    when it holds `field`; else CheckpointError, in one line."""
+    folder = Path(path)
+    if not (folder / MANIFEST).is_file():
+        found = [p.parent for p in (folder / "checkpoints").glob(f"{PREFIX}*/{MANIFEST}") if p.parent.name[len(PREFIX) :].isdigit()]
+        if not found:
+            expected = f"expected a checkpoint folder (with {MANIFEST}) or an output_dir with checkpoints"
+            raise CheckpointError(f"{path} is not a checkpoint: {expected}")
+        folder = max(found, key=step_of)
+    manifest = read_manifest(folder)
+    if field not in manifest:
+        raise CheckpointError(f"{folder} records no {field} (it was saved by an older version)")
+    return manifest
+
+
 BACKGROUND_ENGINES = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)  # what async_save stages
 
 

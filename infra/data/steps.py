@@ -121,6 +121,16 @@ class EvenShares:
     def state_dict(self) -> dict:
         return {"schedule": self.loader.schedule.state_dict()}
 
+    def replay(self, state: dict) -> str | None:
+        """A recorded run's schedule (a checkpoint's `shares`) in force from its start: None, or why it cannot split
+        this run's micro-steps."""
+        schedule, even = SizeSchedule.from_state(state["schedule"]), self.loader.schedule.even
+        if schedule.even != even:
+            theirs = f"{len(schedule.even)} processes x {schedule.even[0]}"
+            return f"its shares split micro-steps of {theirs}, this run's are {len(even)} x {even[0]}"
+        self.loader.schedule.changes = schedule.changes  # in place: a sampler holds the loader's schedule
+        return None
+
     def load_state_dict(self, state: dict | None) -> str | None:
         """The checkpoint's schedule, when it splits this run's micro-steps (its processes and sizes); else a line saying
         the shares start even."""
@@ -165,6 +175,9 @@ class SplitShares:
 
     def load_state_dict(self, state: dict | None) -> str | None:
         return None
+
+    def replay(self, state: dict) -> str | None:
+        return "replica groups split a step by their seats in the quorum, not by recorded shares"
 
     def committed(self, step: int, trace: SampleTrace | None) -> None:
         self.global_batches.advance(self.cursor)
