@@ -25,8 +25,9 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import NamedTuple
 
-from infra.hangs import LAUNCH_STATUS_ENV, Peer
+from infra.hangs import LAUNCH_STATUS_ENV, Peer, my_addresses
 
 MIN_MACHINES_ENV = "INFRA_MIN_MACHINES"  # set by infra.launch for its training processes with --min_machines
 RENDEZVOUS_HOST_ENV = "INFRA_RENDEZVOUS_HOST"  # and the address of node 0, which serves the rendezvous
@@ -39,16 +40,30 @@ def restarts_left() -> int:
     return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 
 
-def serves_rendezvous(peer: Peer, address: str) -> bool:
-    names = {peer.host, *peer.addresses}
-    with contextlib.suppress(OSError):
-        names.add(socket.gethostbyname(peer.host))
-    return address in names
+class Standing(NamedTuple):
+    """What a rank knows of its own launch, for the others to decide with (gathered: no rank resolves another's name)."""
+
+    restarts: int  # its agent's in-job restarts left
+    serves_rendezvous: bool  # its machine is node 0, at INFRA_RENDEZVOUS_HOST
 
 
-def in_job_problem(peers: list[Peer], leaving: list[str], restarts: list[int], replicas: bool) -> str | None:
-    """Why the job cannot go on without the `leaving` hosts in this launch (a phrase), or None. `restarts`: each rank's
-    agent's restarts left (gathered: the same answer on every rank)."""
+def standing() -> Standing:
+    """This rank's: its restarts left, and whether INFRA_RENDEZVOUS_HOST (an address or a name, resolved here) is its
+    machine."""
+    address = os.environ.get(RENDEZVOUS_HOST_ENV)
+    serves = False
+    if address is not None:
+        mine = {socket.gethostname(), *my_addresses()}
+        resolved = address
+        with contextlib.suppress(OSError):
+            resolved = socket.gethostbyname(address)
+        serves = address in mine or resolved in mine
+    return Standing(restarts_left(), serves)
+
+
+def in_job_problem(peers: list[Peer], leaving: list[str], standings: list[Standing], replicas: bool) -> str | None:
+    """Why the job cannot go on without the `leaving` hosts in this launch (a phrase), or None. `standings`: each rank's
+    (gathered: the same answer on every rank)."""
     least, address = os.environ.get(MIN_MACHINES_ENV), os.environ.get(RENDEZVOUS_HOST_ENV)
     if replicas:
         return "replica groups leave the quorum by their group's exit"
@@ -57,9 +72,9 @@ def in_job_problem(peers: list[Peer], leaving: list[str], restarts: list[int], r
     machines = int(os.environ.get("GROUP_WORLD_SIZE", 1))
     if (left := machines - len(leaving)) < int(least):
         return f"{left} machine{'s' if left != 1 else ''} would be left, fewer than --min_machines {least}"
-    if any(peer.host in leaving and serves_rendezvous(peer, address) for peer in peers):
+    if any(peer.host in leaving and standings[peer.rank].serves_rendezvous for peer in peers):
         return f"it serves the rendezvous at {address} (node 0)"
-    if min(restarts[peer.rank] for peer in peers if peer.host not in leaving) < 1:
+    if min(standings[peer.rank].restarts for peer in peers if peer.host not in leaving) < 1:
         return "the other machines' agents have no in-job restart left (--max_restarts)"
     return None
 

@@ -64,7 +64,7 @@ from infra.hangs import Watchdog, log_forensics, roster
 from infra.health import STRAGGLER_EXIT_CODE, StragglerDetector, Window, check_replicas_in_sync, rebalance_problem
 from infra.hooks import Hooks
 from infra.job import Batch, Job, LossOutput
-from infra.leave import MIN_MACHINES_ENV, end_launcher, in_job_problem, restarts_left
+from infra.leave import MIN_MACHINES_ENV, end_launcher, in_job_problem, restarts_left, standing
 from infra.levers import checkpoint_activations, compile_blocks
 from infra.lock import claim
 from infra.lora import check_engine
@@ -540,8 +540,8 @@ class Trainer:
         else by a stop for the scheduler (infra.leave). Its line says which, and why not in-job."""
         hosts = sorted({self.stragglers.hosts[rank] for rank in ranks})
         acc = self.accelerator
-        restarts = [restarts_left()] if acc.num_processes == 1 else gather_object([restarts_left()])
-        problem = in_job_problem(self.watch.watchdog.peers, hosts, restarts, self.args.fault_tolerance == "replicas")
+        standings = [standing()] if acc.num_processes == 1 else gather_object([standing()])  # each rank's own view
+        problem = in_job_problem(self.watch.watchdog.peers, hosts, standings, self.args.fault_tolerance == "replicas")
         if problem is None:
             self.watch.say(f"straggler: {', '.join(hosts)} will leave the job; the others go on without it from this step")
         elif MIN_MACHINES_ENV in os.environ:  # asked for elastic size: say why not this time

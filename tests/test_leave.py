@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from infra.hangs import LAUNCH_STATUS_ENV, Peer
-from infra.leave import MIN_MACHINES_ENV, RENDEZVOUS_HOST_ENV, end_launcher, in_job_problem
+from infra.leave import MIN_MACHINES_ENV, RENDEZVOUS_HOST_ENV, Standing, end_launcher, in_job_problem, standing
 
 PEERS = [Peer(0, "h0", ("10.0.0.10",)), Peer(1, "h0", ("10.0.0.10",)), Peer(2, "h1", ("10.0.0.11",)), Peer(3, "h2", ("10.0.0.12",))]
 
@@ -47,12 +47,25 @@ def elastic(monkeypatch, tmp_path):
 def test_a_job_goes_on_without_leaving_hosts_only_where_the_launch_can(elastic, leaving, restarts, replicas, unset, expected):
     if unset:
         elastic.delenv(unset)
-    assert in_job_problem(PEERS, leaving, restarts, replicas) == expected
+    standings = [Standing(r, peer.host == "h0") for r, peer in zip(restarts, PEERS, strict=True)]  # h0 is node 0
+    assert in_job_problem(PEERS, leaving, standings, replicas) == expected
 
 
-def test_node_0_is_known_by_its_name_too(elastic):
-    elastic.setenv(RENDEZVOUS_HOST_ENV, "h0")  # SLURM gives node 0's host name
-    assert in_job_problem(PEERS, ["h0"], [1] * 4, False) == "it serves the rendezvous at h0 (node 0)"
+def test_a_rank_knows_whether_its_machine_serves_the_rendezvous_by_address_or_name(monkeypatch):
+    """Each rank tells of its own machine (gathered): no rank resolves another's name, which could differ by rank."""
+    import socket
+
+    from infra.hangs import my_addresses
+
+    for mine in [socket.gethostname(), *my_addresses()]:  # SLURM gives node 0's host name; infra.launch an address
+        monkeypatch.setenv(RENDEZVOUS_HOST_ENV, mine)
+        assert standing().serves_rendezvous, mine
+    monkeypatch.setenv(RENDEZVOUS_HOST_ENV, "192.0.2.77")  # TEST-NET-1: no machine's
+    assert not standing().serves_rendezvous
+    monkeypatch.delenv(RENDEZVOUS_HOST_ENV)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert standing() == Standing(2, False)
 
 
 LAUNCHER = textwrap.dedent(
