@@ -97,8 +97,6 @@ class TrainingArguments(
         if self.fault_tolerance == "replicas":
             accepted = "> 0 with fault_tolerance=replicas: the samples of every step, which the live replica groups split"
             require(self.global_batch_size > 0, "global_batch_size", self.global_batch_size, accepted)
-            accepted = "warn or checkpoint_and_exit with fault_tolerance=replicas (rebalancing replica groups is not built yet)"
-            require(self.straggler_action != "rebalance", "straggler_action", self.straggler_action, accepted)
         if self.straggler_action == "rebalance":
             accepted = f"at most the even share of a micro-step, per_device_train_batch_size={self.per_device_train_batch_size}"
             require(

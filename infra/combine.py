@@ -14,6 +14,7 @@ The Trainer (infra.trainer) calls them at the same points, in this order, on eve
     with combine.micro_batch(last): ...         each micro-batch's forward and backward
     loss, loss_sum = combine.gradients(step_loss, num_items_in_batch)    the gradients combined
     if combine.commit(): ... combine.committed(seat)   else combine.not_committed(seat), and the step again
+    stop = combine.stop()                       after a committed step: this process's stop it calls for, or None
     combine.saves, combine.export(export), combine.rolled_back(), combine.close()
 
 A new way of combining (torchft's LocalSGD or DiLoCo, say) is one new class with these calls, chosen in infra.run.
@@ -48,6 +49,7 @@ class Combine(Protocol):
     def commit(self) -> bool: ...
     def committed(self, seat: Seat) -> None: ...
     def not_committed(self, seat: Seat) -> None: ...
+    def stop(self) -> dict | None: ...
     def rolled_back(self) -> None: ...
     def export(self, export: Callable[[], None]) -> None: ...
     def close(self) -> None: ...
@@ -96,6 +98,9 @@ class EngineSum:
 
     def not_committed(self, seat: Seat) -> None:
         raise AssertionError("every step of a plain job counts")
+
+    def stop(self) -> dict | None:
+        return None
 
     def rolled_back(self) -> None:
         pass

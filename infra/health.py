@@ -45,7 +45,8 @@ class HealthConfig:
         metadata={
             "help": "checkpoint_and_exit: save and exit with code 75 so the job is restarted without the slow node. "
             "rebalance: every window, each process's share of every micro-step follows its measured speed (the global "
-            "batch and its samples unchanged), so a slow process takes fewer samples instead of setting the pace."
+            "batch and its samples unchanged), so a slow process takes fewer samples instead of setting the pace; with "
+            "replica groups, each group's share of the step."
         },
     )
     straggler_min_samples: int = field(
@@ -83,18 +84,50 @@ class HealthConfig:
         require(not (self.straggler_replay and self.straggler_action == "rebalance"), "straggler_replay", self.straggler_replay, replay)
 
 
-def rebalance_problem(accelerator: Accelerator, action: str) -> str | None:
-    """Why straggler_action=rebalance cannot work under this engine, or None. Under ZeRO-3 and FSDP every forward
-    gathers the parameters, so a rank's forward time is the slowest rank's and its own speed is not measured: a rank
-    whose share fell would never get it back (seen: one sample of eight for good, fast again)."""
-    stage = zero_stage(accelerator)
-    if action != "rebalance" or not (accelerator.distributed_type == DistributedType.FSDP or stage == 3):
-        return None
-    engine = "FSDP" if stage is None else "ZeRO-3"
-    return (
-        f"straggler_action='rebalance' is not valid under {engine}: every forward gathers the parameters, so no rank's own "
-        "speed is measured; expected warn or checkpoint_and_exit there (rebalance: DDP, ZeRO-1/2)"
-    )
+def gathers_in_forward(accelerator: Accelerator) -> bool:
+    """Whether every forward gathers the parameters (ZeRO-3, FSDP): a rank waits there for the slowest."""
+    return accelerator.distributed_type == DistributedType.FSDP or zero_stage(accelerator) == 3
+
+
+class GatherWaits:
+    """The time a forward spends in the hooks that gather a module's parameters before it runs (ZeRO-3's fetch, FSDP2's
+    unshard: where a rank waits for the slowest one), so that a rank's forward time is its own compute. Each module's
+    forward pre-hooks are bracketed by two of ours, one put before them and one after: the time between is the gather
+    (on a GPU, a pair of CUDA events on the compute stream, whose wait for the gather lies between them). Counted only
+    inside `StragglerDetector.compute` (not in eval, nor in the recomputed forwards of activation checkpointing)."""
+
+    def __init__(self, model: torch.nn.Module, cuda: bool):
+        self.cuda, self.active = cuda, False
+        self.seconds = 0.0  # on CPU: the gathers' seconds so far
+        self.events: list = []  # on a GPU: (start, end) pairs
+        self._began: float | torch.cuda.Event = 0.0
+        for module in model.modules():
+            if module._forward_pre_hooks:  # a module the engine gathers (it put its hook there)
+                module.register_forward_pre_hook(self._before, prepend=True)
+                module.register_forward_pre_hook(self._after)
+
+    def _before(self, module, args) -> None:
+        if self.active:
+            if self.cuda:
+                self._began = torch.cuda.Event(enable_timing=True)
+                self._began.record()
+            else:
+                self._began = time.perf_counter()
+
+    def _after(self, module, args) -> None:
+        if self.active:
+            if self.cuda:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self.events.append((self._began, end))
+            else:
+                self.seconds += time.perf_counter() - self._began
+
+    def take(self) -> float:
+        """The seconds gathered since the last take (a GPU's after a synchronize)."""
+        seconds = self.seconds + sum(s.elapsed_time(e) for s, e in self.events) / 1000
+        self.seconds, self.events = 0.0, []
+        return seconds
 
 
 class DesyncError(RuntimeError):
@@ -135,7 +168,8 @@ class StragglerDetector:
     Forward time is the compute signal: under DDP, once the buffer sync before each forward is
     off (done here: the recipes' buffers are constants), the forward pass runs no collective and measures this rank's own speed,
     while a backward or a step includes waiting for the slowest rank. Under ZeRO-3 and FSDP the
-    forward gathers parameters and the signal is blurred by the others' pace. Every window one
+    forward gathers parameters, where a rank waits for the slowest: those waits are timed apart and left
+    out (GatherWaits). Every window one
     all-gather of four numbers per rank (forward and data-wait seconds, samples and micro-batches: a step's on
     average); a rank whose time exceeds `factor` x the median for `patience` windows in a row is a straggler. The
     decision comes from the gathered numbers, so every rank reaches it at the same step with no further communication;
@@ -147,6 +181,8 @@ class StragglerDetector:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             model.forward_sync_buffers = False
         self.cuda = accelerator.device.type == "cuda"
+        # under ZeRO-3 and FSDP the forward's gathers are left out of its time: there a rank waits for the slowest
+        self.gathers = GatherWaits(model, self.cuda) if window > 0 and gathers_in_forward(accelerator) else None
         self.streak = [0] * accelerator.num_processes
         self._compute: list = []
         self._data = 0.0
@@ -155,17 +191,24 @@ class StragglerDetector:
 
     @contextlib.contextmanager
     def compute(self) -> Iterator[None]:
-        """Time the enclosed forward pass (CUDA events on a GPU: no synchronisation in the loop)."""
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self._compute.append((start, end))
-        else:
-            t = time.perf_counter()
-            yield
-            self._compute.append(time.perf_counter() - t)
+        """Time the enclosed forward pass (CUDA events on a GPU: no synchronisation in the loop); under ZeRO-3 and FSDP
+        its parameter gathers are timed apart (GatherWaits) and left out at the window's end."""
+        if self.gathers is not None:
+            self.gathers.active = True
+        try:
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                yield
+                end.record()
+                self._compute.append((start, end))
+            else:
+                t = time.perf_counter()
+                yield
+                self._compute.append(time.perf_counter() - t)
+        finally:
+            if self.gathers is not None:
+                self.gathers.active = False
 
     def waited(self, seconds: float, samples: int) -> None:
         """This rank's wait for the step's data, and its samples (its share)."""
@@ -182,6 +225,8 @@ class StragglerDetector:
             compute = sum(s.elapsed_time(e) for s, e in self._compute) / 1000
         else:
             compute = sum(self._compute)
+        if self.gathers is not None:
+            compute = max(compute - self.gathers.take(), 0.0)
         counts = [compute, self._data, self._samples, len(self._compute)]
         mine = torch.tensor(counts, device=self.accelerator.device, dtype=torch.float64) / self._steps
         self._compute, self._data, self._samples, self._steps = [], 0.0, 0, 0

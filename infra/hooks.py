@@ -13,6 +13,9 @@ class Hooks:
         """The loss of the `batch`-th micro-batch since the run began (of `samples`), inside the timed forward pass."""
         return loss
 
+    def on_read(self, samples: int) -> None:
+        """After this process read its share of a step (`samples`), inside the timed wait for data."""
+
     def on_step_end(self, step: int) -> None:
         """After optimizer step `step`, before the watchdog hears of it."""
 

@@ -10,6 +10,8 @@ is summed per item and divided by the step's items, whatever the split.
                                                     sizes is not even: SizeSchedule, fastest_split)
     share(ids, slot, slots, micro_batch)            contiguous parts, as even as whole samples allow (any step size)
     process_share(ids, rank, training, ...)         a replica group's: by its rank in the quorum, none for a hot spare
+    group_share(ids, sizes, rank, ...)              the same with a size a training group (rebalanced groups: the
+                                                    quorum's, infra.replicas.pace)
 
 A new way of splitting is a function here with the same contract, and a case in tests/test_shares.py, which holds every
 split to the even one: the same samples, each once, and the same gradient.
@@ -34,6 +36,7 @@ class Seat:
     id: int  # the quorum's number: a new one at every change of the groups in it
     healed_from: int | None  # the step this group healed to, when it did at this quorum
     seconds: float  # the quorum's wait, a heal included
+    shares: tuple[int, ...] | None = None  # each training group's samples of the step (rebalanced); None: even
 
     def training(self, limit: int) -> int:
         """The groups of this quorum that train: the first `limit` by rank (0: every one); the others are hot spares."""
@@ -245,3 +248,20 @@ def process_share(ids: np.ndarray, rank: int, training: int, process: int, proce
     if rank >= training:
         return []
     return share(ids, rank * processes + process, training * processes, micro_batch)
+
+
+def even_groups(total: int, training: int, processes: int) -> list[int]:
+    """Each of `training` groups' samples of a step of `total` under process_share (groups of `processes`)."""
+    slots = [len(part) for part in np.array_split(np.arange(total), training * processes)]
+    return [sum(slots[g * processes : (g + 1) * processes]) for g in range(training)]
+
+
+def group_share(ids: np.ndarray, sizes: Sequence[int], rank: int, process: int, processes: int, micro_batch: int) -> list[np.ndarray]:
+    """Process `process` (of `processes` in its group)'s micro-batches of a step whose training groups take `sizes[g]`
+    samples each, in the order of their ranks in the quorum (a rank past them: a hot spare, nothing): its group's part
+    split as `share` splits, the same number of micro-batches in every process of the group (the groups may differ:
+    they meet once a step, in the sum across groups)."""
+    if rank >= len(sizes):
+        return []
+    start = sum(sizes[:rank])
+    return share(ids[start : start + sizes[rank]], process, processes, micro_batch)

@@ -9,6 +9,10 @@ The launch tests start real recipes, so the faults travel in the environment:
   that dies at a step (in the first incarnation of the group only, so that an elastic restart gets past it).
   `"slow_per_sample": [seconds, first, last]`: a forward pass slower by `seconds` a sample of its micro-batch, from
   micro-batch `first` through `last` since the run began (a slow process, whose time grows with its share).
+  `"slow_steps": [[seconds, first, last], ...]`: the same by steps, `first` through `last` (the step after the last one
+  this process ended: a replica group numbers its micro-batches by step, whatever its share).
+  `"slow_reads": [[seconds, first, last], ...]`: its reads of a step's share slower by `seconds` a sample, steps
+  `first` through `last` (a slow disk: the wait for data grows with the share).
 - `INFRA_TEST_PAUSE_IN_SAVE`: seconds to pause after save_state and before the commit, so a test can kill a
   save midway.
 - `INFRA_TEST_DUMP_GRADS`: a folder where rank 0 writes `step1.pt` before the first optimizer step: the gradient
@@ -42,6 +46,9 @@ class Faults(Hooks):
         self.nan_batches = set(spec.get("nan_batches", [])) if active else set()
         self.slow_seconds = float(spec.get("slow_seconds", 0)) if active else 0.0
         self.slow_per_sample = tuple(spec.get("slow_per_sample", (0.0, 0, 0))) if active else (0.0, 0, 0)
+        self.slow_steps = [tuple(phase) for phase in spec.get("slow_steps", [])] if active else []
+        self.slow_reads = [tuple(phase) for phase in spec.get("slow_reads", [])] if active else []
+        self.step = 0  # the last step ended in this process
         self.hang_at_step = spec.get("hang_at_step") if active else None
         # only in the first incarnation of the group: torch elastic counts its restarts
         first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
@@ -54,9 +61,18 @@ class Faults(Hooks):
         seconds, first, last = self.slow_per_sample
         if seconds and first <= batch <= last:
             time.sleep(seconds * samples)
+        for seconds, first, last in self.slow_steps:
+            if first <= self.step + 1 <= last:
+                time.sleep(seconds * samples)
         return loss * float("nan") if batch in self.nan_batches else loss
 
+    def on_read(self, samples: int) -> None:
+        for seconds, first, last in self.slow_reads:
+            if first <= self.step + 1 <= last:
+                time.sleep(seconds * samples)
+
     def on_step_end(self, step: int) -> None:
+        self.step = step
         if self.hang_at_step is not None and step == self.hang_at_step:
             print(f"test fault: rank stops at step {step}", flush=True)
             while True:

@@ -61,7 +61,7 @@ from infra.export import Exporter
 from infra.goodput import Goodput, summary
 from infra.guard import NonFiniteGuard
 from infra.hangs import Watchdog, log_forensics, roster
-from infra.health import STRAGGLER_EXIT_CODE, StragglerDetector, Window, check_replicas_in_sync, rebalance_problem
+from infra.health import STRAGGLER_EXIT_CODE, StragglerDetector, Window, check_replicas_in_sync
 from infra.hooks import Hooks
 from infra.job import Batch, Job, LossOutput
 from infra.leave import MIN_MACHINES_ENV, end_launcher, in_job_problem, restarts_left, standing
@@ -165,7 +165,7 @@ class Trainer:
         self.combine = combine or EngineSum()
         # a refusal here (LaunchError) leaves nothing on disk, not even the lock
         checkpoint_activations(acc, job.model, args.gradient_checkpointing)
-        if why := check_engine(acc, job.model) or rebalance_problem(acc, args.straggler_action):
+        if why := check_engine(acc, job.model):
             raise LaunchError(why)
         claim(acc, self.own_dir)  # one job per output_dir: before anything is written, held to the end
         if acc.is_main_process:
@@ -212,7 +212,8 @@ class Trainer:
         self.stragglers = StragglerDetector(acc, self.model, hosts, window, factor, patience)
         self.speeds = Speeds(acc.num_processes)  # what rebalancing learns of each rank's speed, window after window
         self.keeping_up = KeepingUp(acc.num_processes, args.straggler_leave_factor, patience, args.straggler_min_samples)
-        rebalancing = args.straggler_action == "rebalance" and self.shape is not None  # what each rank's memory holds: its cap
+        # what each rank's memory holds: its cap (replica groups are rebalanced as wholes, by their number of micro-batches)
+        rebalancing = args.straggler_action == "rebalance" and args.fault_tolerance != "replicas" and self.shape is not None
         self.caps = sample_caps(acc, self.model, self.shape, Setup.of(acc, args.gradient_checkpointing)) if rebalancing else None
         # set by resume(): they depend on the checkpoint resumed from
         self.run_id: str | None = None
@@ -410,6 +411,7 @@ class Trainer:
         waiting = time.perf_counter()
         taken = self.shares.take(seat, self.state.step, self.watch.trace)
         micros = [m if m.batch is None else m._replace(batch=to_device(m.batch, self.accelerator.device)) for m in taken]
+        self.hooks.on_read(sum(len(m.ids) for m in micros))
         waited = time.perf_counter() - waiting
         self.metrics.meter.waited(waited)
         self.stragglers.waited(waited, sum(len(m.ids) for m in micros))
@@ -523,12 +525,14 @@ class Trainer:
         window, behind = self.stragglers.step(), {}
         if window is not None:
             self.watch.log(window.ratios, step=self.state.step)
-            if self.args.straggler_action == "rebalance":
+            if self.args.straggler_action == "rebalance" and self.args.fault_tolerance != "replicas":  # groups: QuorumSum's
                 behind = self.rebalance(window)
             if window.report:
                 self.watch.say(window.report)
         if result.preempted:
             return {"reason": "preempted", "signal": result.preempted}
+        if (stop := self.combine.stop()) is not None:  # a replica group left out of the quorum (infra.replicas.pace)
+            return stop
         if window is not None and window.slow and self.args.straggler_action == "checkpoint_and_exit":
             return self.leave_out(window.slow)
         if behind:
@@ -648,6 +652,8 @@ class Trainer:
                 write_stop_record(self.own_dir, state.step, stop)
             if stop["reason"] == "preempted":
                 acc.print(f"preempted ({stop['signal']}): saved step {state.step}; the next launch resumes from it")
+            elif "replica_group" in stop:
+                acc.print(f"straggler: replica group {stop['replica_group']} left the quorum after step {state.step} (exit code 75)")
             elif in_job:
                 hosts = " and ".join(stop["hosts"])
                 acc.print(f"straggler: saved step {state.step}; {hosts} leaves and the others restart without it (exit code 75)")

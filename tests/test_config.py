@@ -111,8 +111,10 @@ def test_resolved_config_flattens_to_dotted_params():
                 "g0",
                 "--lighthouse",
                 "http://127.0.0.1:1",
+                "--straggler_min_samples",
+                "99",
             ],
-            "straggler_action='rebalance' is not valid: expected warn or checkpoint_and_exit with fault_tolerance=replicas",
+            "straggler_min_samples=99 is not valid: expected at most the even share of a micro-step",
         ),
     ],
 )

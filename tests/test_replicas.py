@@ -631,3 +631,61 @@ def test_groups_of_two_processes_train_as_one_process_with_the_global_batch(conf
     if spare:  # each group's first process's share of each step: half of the step in group 0, none in the spare
         own = {group: set(steps.values()) for group, steps in group_metrics(tmp_path, "ft/samples").items()}
         assert own == {"0": {GLOBAL_BATCH / 2}, "1": {0}}, own
+
+
+@pytest.mark.slow  # a minute: CI runs it after the matrix (make test-ci-slow)
+@pytest.mark.ci
+@pytest.mark.multiprocess
+def test_a_slow_group_gets_a_smaller_share_then_its_share_back_then_leaves_the_quorum_when_it_cannot_keep_up(small_data, tmp_path):
+    """straggler_action=rebalance with three replica groups of one process (min_replicas=2): group 2 slower by 6 ms a
+    sample through step 20, as fast as the others from 21 to 32, then 300 ms a sample. Its share of the step falls
+    within two windows of its slowdown and rises again once it is fast; from step 33 it cannot be kept up with and
+    leaves the quorum (exit code 75, its own stopped.json), and the two others finish the run with the whole global
+    batch. Every committed step trained on a plain run's samples, each once, and the weights are that run's up to the
+    order of the sums."""
+    steps, port, window = 48, free_port(), 4
+    reference = plain_run(small_data, tmp_path / "plain", steps)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", "PYTHONUNBUFFERED": "1", "MLFLOW_TRACKING_URI": tracking_uri(tmp_path)}
+    slow = {FAULTS_ENV: json.dumps({"rank": "all", "slow_steps": [[0.006, 1, 20], [0.3, 33, steps]]})}
+    lighthouse = subprocess.Popen([sys.executable, "-m", "infra.replicas", "lighthouse", "--port", str(port)], cwd=REPO)
+    paths = [tmp_path / f"g{group}.log" for group in range(3)]
+    try:
+        procs = []
+        for group, path in enumerate(paths):
+            args = recipe_args(small_data, tmp_path / "out", steps, *COMMON, "--per_device_train_batch_size", "4")
+            args += ["--fault_tolerance", "replicas", "--replica_group_id", str(group), "--lighthouse", f"http://127.0.0.1:{port}"]
+            args += ["--min_replicas", "2", "--straggler_action", "rebalance", "--straggler_window_steps", str(window)]
+            args += ["--straggler_patience", "2", "--straggler_leave_factor", "8"]
+            cmd = [sys.executable, str(REPO / "recipes" / "pretrain_clm.py"), *args]
+            procs.append(
+                subprocess.Popen(
+                    cmd, cwd=REPO, env={**env, **(slow if group == 2 else {})}, stdout=path.open("w"), stderr=subprocess.STDOUT
+                )
+            )
+        for proc in procs:
+            proc.wait(timeout=300)
+        logs = [path.read_text() for path in paths]
+    finally:
+        lighthouse.terminate()
+        lighthouse.wait(timeout=10)
+    assert [proc.returncode for proc in procs] == [0, 0, 75], "\n".join(log[-3000:] for log in logs)
+    assert "Traceback" not in "".join(logs)
+    assert "straggler: this group cannot be kept up with" in logs[2] and "it leaves the quorum, which goes on without it" in logs[2]
+    assert all(re.search(r"2 groups live \(were 3\) from step (3[3-9]|4\d)", log) for log in logs[:2]), logs[0][-3000:]
+    record = json.loads((tmp_path / "out" / "replicas" / "2" / "stopped.json").read_text())
+    assert record["reason"] == "straggler" and record["replica_group"] == "2", record
+    line = next(line for line in logs[0].splitlines() if "rebalanced: the step's 16 samples among the training groups" in line)
+    # the samples of every committed step are the plain run's, each once; the weights are its own up to the sums' order
+    assert {step: sorted(ids) for step, ids in traced_steps(tmp_path / "out").items()} == plain_steps(reference)
+    ours, theirs = load_file(tmp_path / "out" / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
+    assert max(float((ours[name] - theirs[name]).abs().max()) for name in theirs) < TOLERANCE
+    # group 2's own samples of each step (MLflow's ft/samples): smaller while slow, more again once fast; after it left,
+    # each of the two others half of the step
+    own = group_metrics(tmp_path, "ft/samples")
+    joined = min(own["2"])  # the first step it trained in (a group may join the first quorum late, and heal)
+    slowed = [own["2"][s] for s in range(max(joined, 1) + 2 * window + 1, 21)]
+    assert slowed and max(slowed) < 5, (own["2"], line)  # an even share: 5 or 6 of 16
+    assert max(own["2"][s] for s in range(29, 33)) > min(slowed), own["2"]
+    assert all(own[g][s] == 8 for g in "01" for s in range(45, steps + 1)), own
+    shares = group_metrics(tmp_path, "shares/group_0")["0"]
+    assert set(shares) <= set(range(window, steps + 1, window)) and len(shares) >= 4, shares

@@ -11,7 +11,20 @@ import torch
 
 from infra.data import DataCursor, ResumableLoader
 from infra.data.steps import GlobalBatches
-from infra.shares import ALONE, Seat, SizeSchedule, Speeds, even, fastest_split, process_share, rebalanced, share, sliced
+from infra.shares import (
+    ALONE,
+    Seat,
+    SizeSchedule,
+    Speeds,
+    even,
+    even_groups,
+    fastest_split,
+    group_share,
+    process_share,
+    rebalanced,
+    share,
+    sliced,
+)
 
 
 class Shards(torch.utils.data.Dataset):
@@ -83,11 +96,26 @@ def test_every_split_trains_on_the_even_splits_samples_once_each_with_its_gradie
     splits |= {f"sliced {sizes}": [sliced(ids, r, sizes) for r in range(len(sizes))] for sizes in ([1, 7], [5, 3], [2, 2, 4], [1, 1, 1, 5])}
     for size, training in ((3, 3), (3, 2), (4, 1)):  # replica groups of 2 processes, hot spares past `training`
         splits[f"quorum {size}, {training} training"] = [process_share(ids, g, training, p, 2, 4) for g in range(size) for p in range(2)]
+    groups = {}  # replica groups rebalanced (infra.replicas.pace): groups of 2 processes, a size each, hot spares past them
+    for sizes, size in (([12, 12], 2), ([20, 4], 2), ([1, 23], 3), ([3, 2, 19], 4), ([24], 2)):
+        groups[f"groups {sizes} of {size}"] = [[group_share(ids, sizes, g, p, 2, 4) for p in range(2)] for g in range(size)]
+    splits |= {name: [p for group in parts for p in group] for name, parts in groups.items()}
     for name, parts in splits.items():
         read = np.concatenate([m for p in parts for m in p])
         assert np.array_equal(np.sort(read), np.sort(ids)) and len(read) == len(ids), name  # the same samples, each once
-        assert len({len(p) for p in parts if p}) == 1, name  # as many micro-batches in every process that trains
+        if name not in groups:  # as many micro-batches in every process that trains (groups: inside each group)
+            assert len({len(p) for p in parts if p}) == 1, name
         torch.testing.assert_close(gradient(parts, inputs, targets), expected, rtol=1e-12, atol=1e-12, msg=name)
+    for name, parts in groups.items():
+        assert all(len({len(p) for p in group}) == 1 for group in parts), name
+    for total, training, processes in ((24, 2, 2), (16, 3, 2), (7, 3, 1), (5, 2, 4)):
+        # the even split's groups' sizes, given as sizes, read the same samples in each group as the even split
+        ids_ = np.arange(total)
+        sizes = even_groups(total, training, processes)
+        for g in range(training):
+            theirs = [m for p in range(processes) for m in process_share(ids_, g, training, p, processes, 4)]
+            ours = [m for p in range(processes) for m in group_share(ids_, sizes, g, p, processes, 4)]
+            assert sorted(np.concatenate(ours).tolist()) == sorted(np.concatenate(theirs).tolist()), (total, training, processes, g)
     wrong = [share(ids[:-1], s, 3, 4) for s in range(3)]  # the check's power: one sample short changes the gradient
     assert not torch.allclose(gradient(wrong, inputs, targets), expected)
 

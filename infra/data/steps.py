@@ -4,7 +4,8 @@ by how the step is split (infra.shares):
     EvenShares     a plain job's: this rank's loader (infra.data.stream), which reads its even share of every
                    micro-step, `gradient_accumulation_steps` micro-batches a step; each traced as it is read
     SplitShares    a replica group's: the step's global batch at the cursor (GlobalBatches), split among the live
-                   groups by their seat in the quorum; the cursor moves, and the step is traced, when it commits
+                   groups by their seat in the quorum (evenly, or by the seat's shares when the groups are rebalanced:
+                   infra.replicas.pace); the cursor moves, and the step is traced, when it commits
 
 Both answer the same calls, so the Trainer's step asks no question about which it has:
 
@@ -29,7 +30,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from infra.data.loader import EpochOrder, SampleTrace, collate
-from infra.shares import Seat, SizeSchedule, process_share
+from infra.shares import Seat, SizeSchedule, group_share, process_share
 
 
 class Micro(NamedTuple):
@@ -161,8 +162,10 @@ class SplitShares:
 
     def take(self, seat: Seat, step: int, trace: SampleTrace | None) -> list[Micro]:
         self.ids = self.global_batches.ids(self.cursor)
-        training = seat.training(self.limit)
-        parts = process_share(self.ids, seat.rank, training, self.process, self.processes, self.micro_batch)
+        if seat.shares is None:
+            parts = process_share(self.ids, seat.rank, seat.training(self.limit), self.process, self.processes, self.micro_batch)
+        else:  # rebalanced among the training groups (infra.replicas.pace)
+            parts = group_share(self.ids, seat.shares, seat.rank, self.process, self.processes, self.micro_batch)
         self.samples_read = sum(len(part) for part in parts)
         return [Micro(self.global_batches.read(p) if len(p) else None, p, step * len(parts) + i + 1) for i, p in enumerate(parts)]
 

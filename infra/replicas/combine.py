@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from infra.hangs import SILENT_AFTER
+from infra.replicas.pace import Decision, GroupPace
 from infra.replicas.quorum import ReplicaGroup, as_parts, digest, from_part
 from infra.shares import Seat
 
@@ -41,6 +42,9 @@ class QuorumSum:
         self.live, self.quorum_id = 0, -1  # the quorum of the last committed step: its groups, its number
         self.costs: dict[str, float] = {}  # the last step's: seconds of its sum across groups and commit
         self.heals: list[tuple[int, float]] = []  # (step healed to, seconds), to log
+        self.pace: GroupPace | None = None  # the groups' shares after their speeds (straggler_action: rebalance)
+        self.counted = (0.0, 0.0)  # when the try's count across the groups began and ended (perf_counter)
+        self.leaving: dict | None = None  # this group's stop, once rebalancing cannot keep up with it
 
     def bind(self, trainer: Any) -> None:
         self.trainer, self.args = trainer, trainer.args
@@ -49,11 +53,14 @@ class QuorumSum:
         # torchft can keep its stamp thread from running meanwhile: the group's own watchdog allows for that before it
         # takes a silent rank of the group for lost. The other groups leave this one out after that timeout anyway.
         trainer.watch.watchdog.floor = 2 * trainer.args.replica_timeout_seconds + SILENT_AFTER
+        if trainer.args.straggler_action == "rebalance":
+            self.pace = GroupPace(trainer.args, trainer.accelerator.num_processes)
 
     @property
     def saves(self) -> bool:
-        """By the group of rank 0 in the quorum only: every group holds the same state."""
-        return self.seat_rank == 0
+        """By the group of rank 0 in the quorum only: every group holds the same state (not by one that leaves it: the
+        others go on, and the next rank 0 saves)."""
+        return self.seat_rank == 0 and self.leaving is None
 
     # -- the state a group heals from ------------------------------------------------------------------------------
 
@@ -126,13 +133,20 @@ class QuorumSum:
             if self.seat.healed_from is not None:  # it was behind the others (frozen, cut off)
                 self.trainer.watch.bar.n = self.trainer.state.step
         seat, self.seat = self.seat, None
-        self.seat_rank = seat.rank
-        return seat
+        self.seat_rank, self.size = seat.rank, seat.size
+        return seat if self.pace is None else self.pace.seat(seat)
 
     def count(self, items: torch.Tensor) -> torch.Tensor:
         """This group's items, summed over the quorum's groups."""
         self.costs["ft/samples"] = self.trainer.shares.samples_read  # this process's share (a hot spare: none)
-        return self.group.sum(items.reshape(1)).reshape(())
+        if self.pace is None:
+            return self.group.sum(items.reshape(1)).reshape(())
+        # with the groups' pace: each group's numbers of its last try, in its slot (infra.replicas.pace)
+        began = time.perf_counter()
+        summed = self.group.sum(torch.cat([items.reshape(1).double(), self.pace.report(self.size).to(items.device)]))
+        self.counted = (began, time.perf_counter())
+        self.pace.received(summed[1:])
+        return summed[0].to(items.dtype)
 
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager:
         """The gradients of a group of several processes synced on the last micro-batch only, as accelerate does;
@@ -142,11 +156,23 @@ class QuorumSum:
 
     def gradients(self, step_loss: torch.Tensor, num_items_in_batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The gradients and this rank's summed item losses, summed over the groups (one all-reduce)."""
+        if self.pace is not None:
+            self.measure()
         self.trainer.watch.entering("the gradient all-reduce (across replica groups)")
         summing = time.perf_counter()
         loss_sum = self.group.sum_gradients(self.trainer.model, step_loss * num_items_in_batch)
         self.costs["ft/gradient_sum_seconds"] = time.perf_counter() - summing
         return loss_sum / num_items_in_batch, loss_sum
+
+    def measure(self) -> None:
+        """This group's time of the try: the read and the passes, not the count's wait on the other groups; its slowest
+        process's (one all-reduce inside the group), so that every process sends the same."""
+        t = self.trainer
+        began, ended = self.counted
+        seconds = torch.tensor([(began - t.step_started) + (time.perf_counter() - ended)], device=t.accelerator.device)
+        if t.accelerator.num_processes > 1:
+            torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)
+        self.pace.measured(float(seconds))
 
     def commit(self) -> bool:
         self.trainer.watch.entering("the commit")
@@ -169,10 +195,47 @@ class QuorumSum:
             self.group.tell(f"healed from a live group to step {step} in {seconds:.1f}s (xxh3 {self.group.loaded_digest})")
             metrics |= {"ft/heal_seconds": seconds}
         self.heals.clear()
+        if self.pace is not None and (decision := self.pace.committed(self.trainer.state.step)) is not None:
+            metrics |= self.paced(seat, decision)
         self.trainer.watch.log(metrics, step=self.trainer.state.step)
+
+    def paced(self, seat: Seat, decision: Decision) -> dict[str, float]:
+        """A window's decision said: a line when the shares change or a group is left out; this group's stop when it is
+        the one; each training group's share and step time over the median's (shares/group_i, straggler/group_i: by rank
+        in the quorum)."""
+        step = self.trainer.state.step
+
+        def name(g: int) -> str:
+            return f"group {g}{' (this one)' if g == seat.rank else ''}"
+
+        if decision.after != decision.before and step < self.args.max_steps:
+            was = ", ".join(
+                f"{name(g)} {a} -> {b} ({t * 1000:.1f} ms a sample)"
+                for g, (a, b, t) in enumerate(zip(decision.before, decision.after, decision.per_sample, strict=True))
+            )
+            self.say(f"rebalanced: the step's {sum(decision.after)} samples among the training groups from step {step + 1}: {was}")
+        left = len(decision.behind)
+        for g, why in decision.behind.items():
+            if seat.size - left < self.args.min_replicas:
+                least = f"min_replicas={self.args.min_replicas}"
+                self.say(f"straggler: {name(g)} cannot be kept up with ({why}); it stays: fewer than {least} groups would be left")
+            elif g == seat.rank:
+                self.say(f"straggler: this group cannot be kept up with ({why}); it leaves the quorum, which goes on without it")
+                hosts = sorted(set(self.trainer.stragglers.hosts))
+                self.leaving = {"reason": "straggler", "hosts": hosts, "replica_group": self.args.replica_group_id}
+            else:
+                self.say(f"straggler: {name(g)} cannot be kept up with ({why}); it leaves the quorum")
+        shares = {f"shares/group_{g}": float(size) for g, size in enumerate(decision.after)}
+        return shares | {f"straggler/group_{g}": ratio for g, ratio in enumerate(decision.ratios)}
+
+    def stop(self) -> dict | None:
+        """This group's stop after a committed step: when it leaves the quorum, a straggler (infra.replicas.pace)."""
+        return self.leaving
 
     def not_committed(self, seat: Seat) -> None:
         """A step that did not commit: with too few groups, a wait for more; else it is done again on the same samples."""
+        if self.pace is not None:
+            self.pace.not_committed()
         if seat.size < self.args.min_replicas:  # a quorum the commit refuses (the lighthouse's min_replicas is lower)
             if not self.short:
                 live = f"{seat.size} group{'s' if seat.size > 1 else ''} live"
