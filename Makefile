@@ -100,7 +100,7 @@ compare: setup  ## table of an experiment's runs and a PNG of their loss curves 
 plan: setup  ## capacity and checkpoint-interval plan (ARGS="--gpus 64 --per_gpu_batch 32 --step_seconds 1.2 --checkpoint_minutes 2 --simulate")
 	$(BIN)/python -m infra.plan $(ARGS)
 
-bench: data  ## benchmarks, as ratios to anchors measured in the same run (data, checkpoints, uploads, recipe overhead, packing, levers, bf16 against fp32, a slow host)
+bench: data  ## benchmarks, as ratios to anchors measured in the same run (data, checkpoints, uploads, recipe overhead, packing, levers, bf16 against fp32, a slow host, the copies' checks)
 	$(BIN)/python benchmarks/data_pipeline.py
 	$(BIN)/python benchmarks/checkpoint_cost.py
 	$(BIN)/python benchmarks/checkpoint_remote.py
@@ -109,6 +109,7 @@ bench: data  ## benchmarks, as ratios to anchors measured in the same run (data,
 	$(BIN)/python benchmarks/levers.py
 	$(BIN)/python benchmarks/precision.py
 	$(BIN)/python benchmarks/stragglers.py --if_possible
+	$(BIN)/python benchmarks/sdc.py
 
 chaos: data  ## two hosts (network namespaces, root) under a fault every ~2 min for 15 min: measured goodput against the planner's (ARGS="--minutes 8")
 	$(BIN)/python benchmarks/chaos.py $(ARGS)

@@ -20,6 +20,7 @@ from infra.precision import PrecisionConfig
 from infra.preemption import PreemptionConfig
 from infra.preflight import PreflightConfig
 from infra.replicas import ReplicaConfig
+from infra.sdc import SdcConfig
 from infra.tracking import TrackingConfig
 
 
@@ -72,6 +73,7 @@ class TrainingArguments(
     TrackingConfig,
     PreflightConfig,
     HealthConfig,
+    SdcConfig,
     NonFiniteConfig,
     PreemptionConfig,
     CheckpointConfig,

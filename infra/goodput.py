@@ -9,6 +9,7 @@ The rest is broken down into
 - `eval`:        held-out evaluations;
 - `restart`:     from the last sign of life of a launch that stopped without finishing to the start of the next one
                  (detecting the fault, the scheduler's or the elastic agent's restart);
+- `repair`:      steps undone by a repair of silent data corruption (infra.sdc), to be trained again;
 - `lost`:        the rest: steps trained after the newest checkpoint and lost with their launch (done again), launches
                  that never reached a checkpoint, and steps undone by a rollback.
 
@@ -30,7 +31,7 @@ from pathlib import Path
 import psutil
 
 LEDGER = "goodput.json"
-KEPT = ("train", "startup", "checkpoint", "eval", "restart")  # carried in checkpoints; `lost` is the remainder
+KEPT = ("train", "startup", "checkpoint", "eval", "restart", "repair")  # carried in checkpoints; `lost` is the remainder
 
 
 def process_start() -> float:
@@ -70,11 +71,15 @@ class Goodput:
             else:
                 self.kept["restart"] += gap
 
-    def rolled_back(self, manifest: dict) -> None:
-        """A rollback to `manifest`'s checkpoint: the steps since are undone (lost), the stalls of this launch stay."""
+    def rolled_back(self, manifest: dict, repair: bool = False) -> None:
+        """A rollback to `manifest`'s checkpoint: the steps since are undone (lost; with `repair`, counted as the repair's),
+        the stalls of this launch stay."""
         ledger = manifest.get("goodput")
         if ledger:
+            undone = sum(self.ledger()[k] for k in KEPT) - sum(float(ledger.get(k, 0.0)) for k in KEPT)
             self.kept = {k: float(ledger.get(k, 0.0)) for k in KEPT}
+            if repair:
+                self.kept["repair"] += max(0.0, undone)
             self.loop_start = self.clock()
             self.stalls = {"checkpoint": 0.0, "eval": 0.0}
             self.own_startup = 0.0  # in the checkpoint's ledger if that checkpoint is this launch's, else lost
@@ -143,6 +148,14 @@ def read_ledger(path: Path) -> dict | None:
 def summary(metrics: dict[str, float]) -> str:
     """`ETTR 0.93 (train 93%, start-up 4%, ...)`: the run's last line."""
     wall = metrics["goodput/wall_seconds"]
-    names = {"train": "train", "startup": "start-up", "checkpoint": "checkpoints", "eval": "eval", "restart": "restarts", "lost": "lost"}
+    names = {
+        "train": "train",
+        "startup": "start-up",
+        "checkpoint": "checkpoints",
+        "eval": "eval",
+        "restart": "restarts",
+        "repair": "repairs",
+        "lost": "lost",
+    }
     parts = ", ".join(f"{label} {100 * metrics[f'goodput/{k}_seconds'] / wall:.0f}%" for k, label in names.items())
     return f"goodput: ETTR {metrics['goodput/ettr']:.2f} of {wall:.0f}s since the first launch ({parts})"

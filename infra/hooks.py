@@ -25,5 +25,8 @@ class Hooks:
     def before_optimizer_step(self, step: int, model: torch.nn.Module, grad_norm) -> None:
         """After the backward passes and clipping of `step`, before the optimizer steps (DeepSpeed has stepped already)."""
 
+    def on_update(self, step: int, model: torch.nn.Module, optimizer) -> None:
+        """After the update of `step` (the optimizer stepped), on every rank."""
+
     def on_state(self, event: str, step: int, model: torch.nn.Module, optimizer) -> None:
         """On every rank, once the state of `step` is saved ("saved") or loaded ("resumed")."""

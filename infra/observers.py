@@ -80,9 +80,10 @@ class Observers:
         """A wait that is no hang, and no time of its own (a quorum, an export); `what` as the watchdog takes it."""
         return self.watchdog.relaxed(*what)
 
-    def rolled_back(self, manifest: dict, step: int, rollbacks: int) -> None:
-        """Back to the checkpoint of `step`: its goodput ledger, the bar, and the trace from there."""
-        self.goodput.rolled_back(manifest)
+    def rolled_back(self, manifest: dict, step: int, rollbacks: int, repair: bool = False) -> None:
+        """Back to the checkpoint of `step`: its goodput ledger (`repair`: the steps undone counted as the repair's), the
+        bar, and the trace from there."""
+        self.goodput.rolled_back(manifest, repair)
         self.tracker.log({"health/rollbacks": rollbacks}, step=step)
         self.bar.n = step
         if self.trace:

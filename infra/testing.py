@@ -13,6 +13,10 @@ The launch tests start real recipes, so the faults travel in the environment:
   this process ended: a replica group numbers its micro-batches by step, whatever its share).
   `"slow_reads": [[seconds, first, last], ...]`: its reads of a step's share slower by `seconds` a sample, steps
   `first` through `last` (a slow disk: the wait for data grows with the share).
+  `"flip": {"steps": [7], "what": "weights", "bit": 20}`: one bit of the first element of the first parameter
+  (`weights`), of its first optimizer moment (`optimizer`) or of its gradient before the update (`gradient`) flipped,
+  at each of those steps once in the process's life (a transient fault, as a flipped bit in memory is: a step trained
+  again is not hit again).
 - `INFRA_TEST_PAUSE_IN_SAVE`: seconds to pause after save_state and before the commit, so a test can kill a
   save midway.
 - `INFRA_TEST_DUMP_GRADS`: a folder where rank 0 writes `step1.pt` before the first optimizer step: the gradient
@@ -48,6 +52,8 @@ class Faults(Hooks):
         self.slow_per_sample = tuple(spec.get("slow_per_sample", (0.0, 0, 0))) if active else (0.0, 0, 0)
         self.slow_steps = [tuple(phase) for phase in spec.get("slow_steps", [])] if active else []
         self.slow_reads = [tuple(phase) for phase in spec.get("slow_reads", [])] if active else []
+        self.flip = dict(spec.get("flip", {})) if active else {}
+        self.flipped: set[int] = set()  # the steps flipped already
         self.step = 0  # the last step ended in this process
         self.hang_at_step = spec.get("hang_at_step") if active else None
         # only in the first incarnation of the group: torch elastic counts its restarts
@@ -85,7 +91,25 @@ class Faults(Hooks):
         if self.pause_in_save:
             time.sleep(self.pause_in_save)
 
+    def flip_bit(self, step: int, what: str, model: torch.nn.Module, optimizer=None) -> None:
+        """The fault `flip` asks for at `step` (what: weights, optimizer, gradient), once."""
+        if self.flip.get("what", "weights") != what or step not in self.flip.get("steps", []) or step in self.flipped:
+            return
+        self.flipped.add(step)
+        inner = getattr(model, "module", model)
+        p = next(p for p in inner.parameters() if p.requires_grad)
+        tensor = {"weights": p.data, "gradient": p.grad, "optimizer": optimizer.state[p]["exp_avg"] if optimizer else None}[what]
+        width = {2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+        bit = min(int(self.flip.get("bit", 20)), 8 * tensor.element_size() - 2)
+        tensor.view(width).view(-1)[:1].bitwise_xor_(1 << bit)
+        print(f"test fault: rank {self.rank} flipped bit {bit} of its {what} at step {step}", flush=True)
+
+    def on_update(self, step: int, model: torch.nn.Module, optimizer) -> None:
+        self.flip_bit(step, "weights", model)
+        self.flip_bit(step, "optimizer", model, optimizer)
+
     def before_optimizer_step(self, step: int, model: torch.nn.Module, grad_norm) -> None:
+        self.flip_bit(step, "gradient", model)
         if not self.grads_dir or step != 1:
             return
         from torch.distributed.tensor import DTensor

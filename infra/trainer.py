@@ -31,6 +31,7 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,7 +62,7 @@ from infra.export import Exporter
 from infra.goodput import Goodput, summary
 from infra.guard import NonFiniteGuard
 from infra.hangs import Watchdog, log_forensics, roster
-from infra.health import STRAGGLER_EXIT_CODE, StragglerDetector, Window, check_replicas_in_sync
+from infra.health import STRAGGLER_EXIT_CODE, StragglerDetector, Window
 from infra.hooks import Hooks
 from infra.job import Batch, Job, LossOutput
 from infra.leave import MIN_MACHINES_ENV, end_launcher, in_job_problem, restarts_left, standing
@@ -75,6 +76,7 @@ from infra.optim import build_optimizer, build_scheduler
 from infra.preemption import Preemption, clear_stop_record, write_stop_record
 from infra.preflight import run_preflight
 from infra.recipe import attention_of
+from infra.sdc import SDC_EXIT_CODE, Copies, Mismatch, describe, sdc_problem
 from infra.shares import KeepingUp, Seat, Speeds, rebalanced
 from infra.tracking import MetricLogger, end_run, last_logged_step, run_name_for, run_tags, start_run, tracking_uri
 
@@ -165,7 +167,7 @@ class Trainer:
         self.combine = combine or EngineSum()
         # a refusal here (LaunchError) leaves nothing on disk, not even the lock
         checkpoint_activations(acc, job.model, args.gradient_checkpointing)
-        if why := check_engine(acc, job.model):
+        if why := check_engine(acc, job.model) or sdc_problem(acc, args.sdc_action):
             raise LaunchError(why)
         claim(acc, self.own_dir)  # one job per output_dir: before anything is written, held to the end
         if acc.is_main_process:
@@ -202,6 +204,7 @@ class Trainer:
         self.preemption = Preemption(args.preemption_grace_seconds)
         self.consensus = StepConsensus(acc, self.clock, self.preemption)
         self.guard = NonFiniteGuard(acc, args, self.checkpoints, args.verify_checksums)
+        self.copies = Copies(acc, self.model, self.optimizer, args)  # what the processes hold identically (infra.sdc)
         sources = [s.name for s in job.data.mixture.sources] if job.data.mixture and job.per_sample_losses else []
         self.metrics = TrainMetrics(acc, job.unit, job.flops_per_unit, compiled=args.torch_compile, sources=sources)
         peers = roster(acc)
@@ -265,10 +268,14 @@ class Trainer:
                 if state.step % args.logging_steps == 0 or state.step == args.max_steps:
                     self.log(result)
                 stop = self.stop_reason(result)
+                last = stop is not None or state.step == args.max_steps
+                saving = last or (result.save_due and self.guard.clean)  # no scheduled save amid non-finite steps
+                if self.copies.due(state.step, saving) and (found := self.check_copies()) is not None:
+                    stop = self.repair(found, stop)  # the steps since the newest checkpoint again, or a stop there
+                    continue
                 if self.eval_due():
                     self.evaluate()
-                last = stop is not None or state.step == args.max_steps
-                if last or (result.save_due and self.guard.clean):  # no scheduled save amid non-finite steps
+                if saving:
                     self.save(last=last)
             self.watch.loop_ended()
             with self.watch.relaxed():
@@ -337,10 +344,11 @@ class Trainer:
         """Where the run starts: its path and manifest (none: a fresh start); a replica group's may be a heal."""
         return self.combine.restore(self.load_checkpoint)
 
-    def load_checkpoint(self) -> tuple[str | None, dict]:
-        """The state of the newest checkpoint that verifies, loaded: its path and manifest (none: a fresh start)."""
+    def load_checkpoint(self, which: str | None = None) -> tuple[str | None, dict]:
+        """The state of the newest checkpoint that verifies (or `which`: resume_from_checkpoint's), loaded: its path and
+        manifest (none: a fresh start)."""
         args, state = self.args, self.state
-        path, manifest = self.checkpoints.resume(args.resume_from_checkpoint, checksums=args.verify_checksums)
+        path, manifest = self.checkpoints.resume(which or args.resume_from_checkpoint, checksums=args.verify_checksums)
         if manifest:
             state.load_state_dict(manifest)
             self.cursor.load_state_dict(manifest["cursor"])  # DataError: a data_mixture other than the checkpoint's, say
@@ -479,6 +487,7 @@ class Trainer:
         state.step += 1
         state.tokens_seen += self.units_per_step
         self.metrics.count_step(self.units_per_step)
+        self.hooks.on_update(state.step, self.model, self.optimizer)
         return StepResult(loss, grad_norm, agreed.nonfinite, agreed.save_due, agreed.signal)
 
     def count_items(self, batches: list[Batch]) -> torch.Tensor:
@@ -575,6 +584,43 @@ class Trainer:
         self.watch.log({f"shares/rank_{r}": float(size) for r, size in enumerate(now)}, step=self.state.step)
         return behind
 
+    def check_copies(self) -> Mismatch | None:
+        """The copies of the state the processes hold identically, compared (infra.sdc); the counts logged."""
+        self.watch.entering("the copies' comparison (an all-gather)")
+        found = self.copies.compare(self.state.step)
+        self.watch.log(dict(self.copies.counts), step=self.state.step)
+        return found
+
+    def repair(self, found: Mismatch, stop: dict | None) -> dict | None:
+        """Copies disagree (infra.sdc): back to the newest checkpoint (every committed one was compared before it was
+        written), its data position and random state included, so the steps since are trained again on the same
+        samples. Or, a rank named before (a machine that computes wrong), sdc_action=stop, or no checkpoint: a stop at
+        that checkpoint, naming the ranks. A stop already decided (a preemption) stays, at the checkpoint's step."""
+        hosts, copies = self.stragglers.hosts, self.copies
+        self.watch.say(f"sdc: {describe(found, hosts)}")
+        again = copies.again(found)
+        why = "named before: a machine that computes wrong" if again else "sdc_action=stop" if copies.action == "stop" else None
+        with self.watch.relaxed("the rollback"):
+            self.checkpoints.wait()
+            path, manifest = self.load_checkpoint("auto")
+        if path is None:
+            why = why or "no checkpoint to return to"
+        else:
+            self.latest = manifest.get("metrics", {})
+            self.metrics.reset_loss()
+            self.watch.rolled_back(manifest, self.state.step, self.state.rollbacks, repair=why is None)
+            self.combine.rolled_back()
+            self.shares.start()  # from the checkpoint's data position
+        if why is None:
+            copies.counts["sdc/repairs"] += 1
+            self.watch.log(dict(copies.counts), step=self.state.step)
+            self.watch.say(f"sdc: repaired: back to {Path(path).name}; the {found.step - self.state.step} steps since are trained again")
+            return stop
+        ranks = again or found.ranks
+        self.watch.say(f"sdc: stopping at step {self.state.step}, the newest sound checkpoint ({why})")
+        where = {"found_at": found.step, "tensors": found.tensors[:10]}
+        return {"reason": "sdc", "ranks": ranks, "hosts": sorted({hosts[r] for r in ranks}), **where}
+
     def eval_due(self) -> bool:
         args, step = self.args, self.state.step
         can = len(self.job.data.held_out) > 0 and self.job.evaluate is not None
@@ -634,8 +680,9 @@ class Trainer:
         self.combine.export(self.export_model)
 
     def export_model(self) -> None:
-        """The replicas must agree; then final/."""
-        check_replicas_in_sync(self.accelerator, self.model)
+        """The copies must agree (infra.sdc: compared again, if any); then final/."""
+        if line := self.copies.final(self.state.step):
+            self.accelerator.print(line)
         state, unit = self.state, self.job.unit
         final = self.exporter.export(self.model, {"step": state.step, f"{unit}_seen": state.tokens_seen, **self.latest})
         self.accelerator.print(f"done: step {state.step}, {state.tokens_seen} {unit}; model exported to {final}")
@@ -643,7 +690,7 @@ class Trainer:
     def close(self, stop: dict | None) -> int:
         """The one exit: after a stop, its record for the batch script (requeue or not) and the MLflow run KILLED; else the
         model logged on request and the run FINISHED; goodput logged and printed last; then the process group destroyed. A
-        straggler exits with 75."""
+        straggler exits with 75, copies that disagreed for good with 77."""
         acc, state = self.accelerator, self.state
         self.combine.close()
         in_job = stop is not None and stop.get("in_job", False)
@@ -652,6 +699,10 @@ class Trainer:
                 write_stop_record(self.own_dir, state.step, stop)
             if stop["reason"] == "preempted":
                 acc.print(f"preempted ({stop['signal']}): saved step {state.step}; the next launch resumes from it")
+            elif stop["reason"] == "sdc":
+                named = ", ".join(f"rank {r}" for r in stop["ranks"])
+                line = f"sdc: stopped at step {state.step}, the newest sound checkpoint; start again without {named}"
+                acc.print(f"{line} (exit code {SDC_EXIT_CODE})")
             elif "replica_group" in stop:
                 acc.print(f"straggler: replica group {stop['replica_group']} left the quorum after step {state.step} (exit code 75)")
             elif in_job:
@@ -667,16 +718,17 @@ class Trainer:
             self.exporter.log_to_mlflow(self.args.register_model)
         end_run("FINISHED" if stop is None else "KILLED")
         acc.print(summary(goodput))
-        if stop is not None and stop["reason"] == "straggler":
-            self.part_ways(stop)
+        code = {"straggler": STRAGGLER_EXIT_CODE, "sdc": SDC_EXIT_CODE}.get(stop["reason"], 0) if stop is not None else 0
+        if code:
+            self.part_ways(stop, code)
         acc.end_training()
-        return STRAGGLER_EXIT_CODE if stop is not None and stop["reason"] == "straggler" else 0
+        return code
 
-    def part_ways(self, stop: dict) -> None:
-        """After a straggler's stop, the launchers (infra.leave): in-job, a leaving host's ends (and its agent), and the
-        others' agents restart without it once it is gone; else, with in-job restarts left, every launcher ends, rather
-        than start the slow host again."""
-        rank, code = self.accelerator.process_index, STRAGGLER_EXIT_CODE
+    def part_ways(self, stop: dict, code: int) -> None:
+        """After a stop to leave hosts out (a straggler, a machine that computes wrong), the launchers (infra.leave): in-job,
+        a leaving host's ends (and its agent), and the others' agents restart without it once it is gone; else, with
+        in-job restarts left, every launcher ends with `code`, rather than start that host again."""
+        rank = self.accelerator.process_index
         host, hosts = self.stragglers.hosts[rank], " and ".join(stop["hosts"])
         if not stop.get("in_job"):
             if restarts_left() > 0:

@@ -28,7 +28,16 @@ def test_a_crash_loses_what_was_trained_after_the_checkpoint_and_a_restart_is_co
         clock.now = 1065.0
     clock.now = 1105.0
     first.alive()
-    ledger = {"first_launch": 1000.0, "idle": 0.0, "train": 50.0, "startup": 10.0, "checkpoint": 0.0, "eval": 0.0, "restart": 0.0}
+    ledger = {
+        "first_launch": 1000.0,
+        "idle": 0.0,
+        "train": 50.0,
+        "startup": 10.0,
+        "checkpoint": 0.0,
+        "eval": 0.0,
+        "restart": 0.0,
+        "repair": 0.0,
+    }
     assert manifest["goodput"] == ledger
     assert first.metrics()["goodput/checkpoint_seconds"] == 5.0 and first.metrics()["goodput/ettr"] == pytest.approx(90 / 105)
 
@@ -50,7 +59,7 @@ def test_a_crash_loses_what_was_trained_after_the_checkpoint_and_a_restart_is_co
     assert m["goodput/lost_seconds"] == 45.0  # launch 1 after its checkpoint: its save, and 40 s of steps done again
     assert m["goodput/ettr"] == pytest.approx(0.45)
     line = summary(m)
-    parts = "train 45%, start-up 10%, checkpoints 0%, eval 5%, restarts 18%, lost 22%"
+    parts = "train 45%, start-up 10%, checkpoints 0%, eval 5%, restarts 18%, repairs 0%, lost 22%"
     assert line == f"goodput: ETTR 0.45 of 200s since the first launch ({parts})"
 
 
@@ -83,6 +92,12 @@ def test_a_rollback_undoes_the_steps_since_its_checkpoint(tmp_path):
     m = g.metrics()
     assert m["goodput/train_seconds"] == 40.0 + 10.0 and m["goodput/startup_seconds"] == 10.0 and m["goodput/lost_seconds"] == 40.0
     assert not (tmp_path / "goodput.json").exists()  # only rank 0 writes it
+    # a repair of silent data corruption (infra.sdc) back to the same checkpoint: its 40 s of steps since (1090-1130)
+    # undone and counted as the repair's, not lost
+    clock.now = 1130.0
+    g.rolled_back(manifest, repair=True)
+    m = g.metrics()
+    assert m["goodput/train_seconds"] == 40.0 and m["goodput/repair_seconds"] == 40.0 and m["goodput/lost_seconds"] == 40.0
 
 
 def test_a_finished_run_continued_later_is_not_charged_for_the_wait(tmp_path):
