@@ -556,3 +556,20 @@ def test_the_loss_per_source_is_that_of_its_samples(tiny_data, small_data, tmp_p
         with torch.no_grad():
             loss, tokens = token_losses(final(input_ids=held).logits, held)
         assert logged[f"eval/loss/{name}"] == pytest.approx(float(loss.sum() / tokens.sum()), rel=1e-5)
+
+
+def test_a_run_resumed_at_an_odd_step_on_fewer_processes_updates_its_weights_at_every_step(small_data, tmp_path):
+    """Two processes of two micro-steps stopped at step 3, resumed on one process of four micro-steps for the same global
+    batch. accelerate's load_state restores its micro-step counter (6, from 3 steps of 2), which is no multiple of 4: left
+    so, every gradient sync fell on the wrong micro-batch and the optimizer skipped every step, the weights frozen at
+    step 3 to the end of the run. Every checkpoint after the resume must hold new weights."""
+    out, every = tmp_path / "out", ("--save_steps", "1", "--save_total_limit", "10", "--report_to", "none")
+    global_batch = ("--global_batch_size", str(2 * MICRO_BATCH * ACCUMULATION))
+    assert launch("cpu.yaml", recipe_args(small_data, out, 3, *every, *global_batch), tmp_path, num_processes=2).returncode == 0
+    resumed = launch("cpu.yaml", recipe_args(small_data, out, 6, *every, *global_batch), tmp_path, num_processes=1)
+    assert resumed.returncode == 0 and "resumed at step 3" in resumed.stdout, resumed.stderr[-3000:]
+    digests = {}
+    for manifest in sorted(out.glob("checkpoints/step_*/manifest.json")):
+        m = json.loads(manifest.read_text())
+        digests[m["step"]] = m["files"]["model.safetensors"]["xxh3_64"]
+    assert sorted(digests) == [1, 2, 3, 4, 5, 6] and len(set(digests.values())) == 6, digests

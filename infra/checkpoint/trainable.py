@@ -43,8 +43,13 @@ def keep_trainable_only(accelerator: Accelerator) -> None:
 
 def load_state(accelerator: Accelerator, path: str | Path) -> None:
     """`accelerator.load_state`: strict, except for a model with frozen parameters, whose file holds the others only
-    (and is checked by `keep_trainable_only`'s hook instead)."""
+    (and is checked by `keep_trainable_only`'s hook instead). Accelerate's micro-step counter starts again at 0: it
+    restores the one saved, whose gradient accumulation may not be this launch's (another number of processes for the
+    same global batch), and a counter that is not a multiple of this launch's accumulation moves every gradient sync to
+    the wrong micro-batch and makes the optimizer skip every step (seen: a run of 3 processes resumed on 2 at step 10,
+    its weights unchanged to its last step). Every load here is at a whole step."""
     if has_frozen_parameters(accelerator):  # DDP or one process (DeepSpeed's load takes no `strict`)
         accelerator.load_state(str(path), strict=False)
     else:
         accelerator.load_state(str(path))
+    accelerator.step = 0
