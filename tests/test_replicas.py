@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -583,6 +584,29 @@ def test_a_group_that_does_not_fit_is_refused_in_one_line_while_the_job_goes_on(
     assert list(traced_steps(out)) == list(range(1, max(traced_steps(out)) + 1))  # no step lost or taken twice
 
 
+def local_groups(
+    tmp: Path, port: int, groups: int, command: Callable[[int], tuple[list[str], dict]], started: Callable | None = None
+) -> tuple[list[int], list[str]]:
+    """A lighthouse on this machine and `groups` replica groups, group g started by `command(g)` (its command and its
+    environment) and logging to g{g}.log, then `started(g, log, process)` (a wait, say); once every group has ended,
+    their exit codes and logs."""
+    lighthouse = subprocess.Popen([sys.executable, "-m", "infra.replicas", "lighthouse", "--port", str(port)], cwd=REPO)
+    paths = [tmp / f"g{group}.log" for group in range(groups)]
+    try:
+        procs = []
+        for group, path in enumerate(paths):
+            cmd, env = command(group)
+            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=path.open("w"), stderr=subprocess.STDOUT))
+            if started is not None:
+                started(group, path, procs[-1])
+        for proc in procs:
+            proc.wait(timeout=300)
+        return [proc.returncode for proc in procs], [path.read_text() for path in paths]
+    finally:
+        lighthouse.terminate()
+        lighthouse.wait(timeout=10)
+
+
 @pytest.mark.slow  # minutes: out of the quick suite (make test-slow)
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
@@ -598,27 +622,21 @@ def test_groups_of_two_processes_train_as_one_process_with_the_global_batch(conf
     steps, port, sharded = 12, free_port(), config == "fsdp.yaml"
     reference = plain_run(small_data, tmp_path / "plain", steps, config, 2 if sharded else 1)
     env = {"OMP_NUM_THREADS": "1", "RUST_LOG": "warn", FSDP_ON_CPU_ENV: "1"}
-    lighthouse = subprocess.Popen([sys.executable, "-m", "infra.replicas", "lighthouse", "--port", str(port)], cwd=REPO)
-    paths = [tmp_path / f"g{group}.log" for group in (0, 1)]
-    try:
-        procs = []
-        for group, path in enumerate(paths):
-            args = recipe_args(small_data, tmp_path / "out", steps, *COMMON, "--per_device_train_batch_size", "2")
-            args += ["--fault_tolerance", "replicas", "--replica_group_id", str(group), "--lighthouse", f"http://127.0.0.1:{port}"]
-            args += ["--min_replicas", "2", *(("--training_replicas", "1") if spare else ())]
-            cmd, env_ = launch_command(config, args, tmp_path, num_processes=2, env=env)
-            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env_, stdout=path.open("w"), stderr=subprocess.STDOUT))
-            end = time.monotonic() + 120
-            while group == 0 and "waiting for more" not in path.read_text():
-                assert procs[0].poll() is None and time.monotonic() < end, path.read_text()[-3000:]
-                time.sleep(0.2)
-        for proc in procs:
-            proc.wait(timeout=300)
-        logs = [path.read_text() for path in paths]
-    finally:
-        lighthouse.terminate()
-        lighthouse.wait(timeout=10)
-    assert [proc.returncode for proc in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+
+    def command(group: int) -> tuple[list[str], dict]:
+        args = recipe_args(small_data, tmp_path / "out", steps, *COMMON, "--per_device_train_batch_size", "2")
+        args += ["--fault_tolerance", "replicas", "--replica_group_id", str(group), "--lighthouse", f"http://127.0.0.1:{port}"]
+        args += ["--min_replicas", "2", *(("--training_replicas", "1") if spare else ())]
+        return launch_command(config, args, tmp_path, num_processes=2, env=env)
+
+    def started(group: int, path: Path, proc: subprocess.Popen) -> None:
+        end = time.monotonic() + 120
+        while group == 0 and "waiting for more" not in path.read_text():  # the first waits for the second in one line
+            assert proc.poll() is None and time.monotonic() < end, path.read_text()[-3000:]
+            time.sleep(0.2)
+
+    codes, logs = local_groups(tmp_path, port, 2, command, started)
+    assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     assert logs[0].count("1 group live, fewer than min_replicas=2: waiting for more") == 1
     assert "did not commit" not in logs[0] + logs[1]
     assert all(f"2 processes ({'FSDP' if sharded else 'MULTI_CPU'})" in log for log in logs)
@@ -647,28 +665,16 @@ def test_a_slow_group_gets_a_smaller_share_then_its_share_back_then_leaves_the_q
     reference = plain_run(small_data, tmp_path / "plain", steps)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", "PYTHONUNBUFFERED": "1", "MLFLOW_TRACKING_URI": tracking_uri(tmp_path)}
     slow = {FAULTS_ENV: json.dumps({"rank": "all", "slow_steps": [[0.006, 1, 20], [0.3, 33, steps]]})}
-    lighthouse = subprocess.Popen([sys.executable, "-m", "infra.replicas", "lighthouse", "--port", str(port)], cwd=REPO)
-    paths = [tmp_path / f"g{group}.log" for group in range(3)]
-    try:
-        procs = []
-        for group, path in enumerate(paths):
-            args = recipe_args(small_data, tmp_path / "out", steps, *COMMON, "--per_device_train_batch_size", "4")
-            args += ["--fault_tolerance", "replicas", "--replica_group_id", str(group), "--lighthouse", f"http://127.0.0.1:{port}"]
-            args += ["--min_replicas", "2", "--straggler_action", "rebalance", "--straggler_window_steps", str(window)]
-            args += ["--straggler_patience", "2", "--straggler_leave_factor", "8"]
-            cmd = [sys.executable, str(REPO / "recipes" / "pretrain_clm.py"), *args]
-            procs.append(
-                subprocess.Popen(
-                    cmd, cwd=REPO, env={**env, **(slow if group == 2 else {})}, stdout=path.open("w"), stderr=subprocess.STDOUT
-                )
-            )
-        for proc in procs:
-            proc.wait(timeout=300)
-        logs = [path.read_text() for path in paths]
-    finally:
-        lighthouse.terminate()
-        lighthouse.wait(timeout=10)
-    assert [proc.returncode for proc in procs] == [0, 0, 75], "\n".join(log[-3000:] for log in logs)
+
+    def command(group: int) -> tuple[list[str], dict]:
+        args = recipe_args(small_data, tmp_path / "out", steps, *COMMON, "--per_device_train_batch_size", "4")
+        args += ["--fault_tolerance", "replicas", "--replica_group_id", str(group), "--lighthouse", f"http://127.0.0.1:{port}"]
+        args += ["--min_replicas", "2", "--straggler_action", "rebalance", "--straggler_window_steps", str(window)]
+        args += ["--straggler_patience", "2", "--straggler_leave_factor", "8"]
+        return [sys.executable, str(REPO / "recipes" / "pretrain_clm.py"), *args], {**env, **(slow if group == 2 else {})}
+
+    codes, logs = local_groups(tmp_path, port, 3, command)
+    assert codes == [0, 0, 75], "\n".join(log[-3000:] for log in logs)
     assert "Traceback" not in "".join(logs)
     assert "straggler: this group cannot be kept up with" in logs[2] and "it leaves the quorum, which goes on without it" in logs[2]
     assert all(re.search(r"2 groups live \(were 3\) from step (3[3-9]|4\d)", log) for log in logs[:2]), logs[0][-3000:]
