@@ -548,18 +548,19 @@ class Trainer:
             return self.leave_out(behind)
         return None
 
-    def leave_out(self, ranks) -> dict:
-        """The stop that leaves the hosts of `ranks` out: in-job where the launch is elastic and can go on without them,
-        else by a stop for the scheduler (infra.leave). Its line says which, and why not in-job."""
+    def leave_out(self, ranks, reason: str = "straggler") -> dict:
+        """The stop that leaves the hosts of `ranks` out (a straggler; `sdc`: a machine that computes wrong): in-job where
+        the launch is elastic and can go on without them, else by a stop for the scheduler (infra.leave). Its line says
+        which, and why not in-job."""
         hosts = sorted({self.stragglers.hosts[rank] for rank in ranks})
         acc = self.accelerator
         standings = [standing()] if acc.num_processes == 1 else gather_object([standing()])  # each rank's own view
         problem = in_job_problem(self.watch.watchdog.peers, hosts, standings, self.args.fault_tolerance == "replicas")
         if problem is None:
-            self.watch.say(f"straggler: {', '.join(hosts)} will leave the job; the others go on without it from this step")
+            self.watch.say(f"{reason}: {', '.join(hosts)} will leave the job; the others go on without it from this step")
         elif MIN_MACHINES_ENV in os.environ:  # asked for elastic size: say why not this time
-            self.watch.say(f"straggler: the job cannot go on without {', '.join(hosts)} in this launch: {problem}")
-        return {"reason": "straggler", "hosts": hosts, **({"in_job": True} if problem is None else {})}
+            self.watch.say(f"{reason}: the job cannot go on without {', '.join(hosts)} in this launch: {problem}")
+        return {"reason": reason, "hosts": hosts, **({"in_job": True} if problem is None else {})}
 
     def rebalance(self, window: Window) -> dict[int, str]:
         """Each process's share of every micro-step after its speed, when that shortens the step (infra.shares.rebalanced):
@@ -618,8 +619,9 @@ class Trainer:
             return stop
         ranks = again or found.ranks
         self.watch.say(f"sdc: stopping at step {self.state.step}, the newest sound checkpoint ({why})")
-        where = {"found_at": found.step, "tensors": found.tensors[:10]}
-        return {"reason": "sdc", "ranks": ranks, "hosts": sorted({hosts[r] for r in ranks}), **where}
+        # left out in-job where the launch is elastic (the others restart from that checkpoint), else a stop there
+        stop = self.leave_out(ranks, "sdc") if path is not None else {"reason": "sdc", "hosts": sorted({hosts[r] for r in ranks})}
+        return {**stop, "ranks": ranks, "found_at": found.step, "tensors": found.tensors[:10]}
 
     def eval_due(self) -> bool:
         args, step = self.args, self.state.step
@@ -699,6 +701,9 @@ class Trainer:
                 write_stop_record(self.own_dir, state.step, stop)
             if stop["reason"] == "preempted":
                 acc.print(f"preempted ({stop['signal']}): saved step {state.step}; the next launch resumes from it")
+            elif stop["reason"] == "sdc" and in_job:
+                hosts = " and ".join(stop["hosts"])
+                acc.print(f"sdc: {hosts} leaves and the others restart without it from step {state.step} (exit code {SDC_EXIT_CODE})")
             elif stop["reason"] == "sdc":
                 named = ", ".join(f"rank {r}" for r in stop["ranks"])
                 line = f"sdc: stopped at step {state.step}, the newest sound checkpoint; start again without {named}"

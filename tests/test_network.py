@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -34,7 +35,8 @@ PORT = 29500
 
 
 class Job:
-    """One launch of the 2-host job (`python -m infra.launch`, one process per host), its logs and its processes."""
+    """One launch of the job over `machines` hosts (`python -m infra.launch`, one process per host; 2 unless told), its
+    logs and its processes."""
 
     def __init__(
         self,
@@ -46,10 +48,13 @@ class Job:
         restarts: int = 0,
         launcher_args: tuple[str, ...] = (),
         extra: tuple[str, ...] = (),
+        machines: int = 2,
+        faulty: int | None = None,
     ):
         self.hosts, self.data, self.tmp, self.out, self.name = hosts, data, tmp, tmp / "out", name
-        self.faults, self.restarts, self.launcher_args, self.extra = faults, restarts, launcher_args, extra
-        self.procs = [self.start(rank) for rank in (0, 1)]
+        self.faults, self.restarts, self.launcher_args, self.extra, self.machines = faults, restarts, launcher_args, extra, machines
+        self.faulty = faulty  # the one host whose launcher gets the faults (None: every one)
+        self.procs = [self.start(rank) for rank in range(machines)]
 
     def start(self, rank: int, log: Path | None = None):
         """The launcher of host `rank` (again, for a host that comes back)."""
@@ -57,14 +62,14 @@ class Job:
             "multi_node.yaml",
             recipe_args(self.data, self.out, 2 * STEPS, *self.extra),
             self.tmp,
-            num_processes=2,
+            num_processes=self.machines,
             port=PORT,
             launcher=(sys.executable, "-m", "infra.launch"),
             launcher_args=(
-                *("--num_machines", "2", "--machine_rank", str(rank), "--main_process_ip", self.hosts.addresses[0]),
+                *("--num_machines", str(self.machines), "--machine_rank", str(rank), "--main_process_ip", self.hosts.addresses[0]),
                 *("--max_restarts", str(self.restarts), *self.launcher_args),
             ),
-            env={FAULTS_ENV: json.dumps(self.faults)} if self.faults else None,
+            env={FAULTS_ENV: json.dumps(self.faults)} if self.faults and self.faulty in (None, rank) else None,
         )
         return self.hosts.popen(rank, cmd, env, log or self.log_path(rank), cwd=REPO)
 
@@ -493,3 +498,47 @@ def test_a_host_held_to_a_tenth_of_its_cpu_share_leaves_and_the_job_finishes_wit
     assert list(history(tmp_path, "train/loss")) == list(range(2, 2 * STEPS + 1, 2))  # one MLflow run, every step logged
     ours, theirs = weights(tmp_path / "out"), weights(even / "out")  # fp32, no dropout: the order of the sums aside, alike
     assert max(float((ours[name] - theirs[name]).abs().max()) for name in theirs) < 1e-5  # 4e-7 seen
+
+
+@pytest.mark.slow  # 2 minutes: out of the quick suite (make test-slow)
+@pytest.mark.skipif(bool(Hosts.unavailable()), reason=str(Hosts.unavailable()))
+def test_a_machine_that_computes_wrong_twice_leaves_in_job_and_the_others_finish_from_the_newest_sound_checkpoint(small_data, tmp_path):
+    """Three hosts launched for 2 to 3 machines (`--min_machines 2`), one bit of h2's weights flipped after steps 7 and
+    12 (infra.sdc). The check before the save of step 10 names h2's rank (its copy against the two others), and steps
+    6-10 are trained again; at step 15 it is named again: a machine that computes wrong. Back at step 10, the newest
+    checkpoint (sound: every committed one was compared first), h2's launcher ends with 77 in one line and the others
+    restart without it in the same launch, from step 10, to the last step. Every step's samples are a clean 3-process
+    run's, each once, and the final weights within 1e-5 of it (fp32; two processes sum in another order)."""
+    exact = ("--attention_dropout", "0", "--mixed_precision", "no", "--global_batch_size", "24", "--gradient_accumulation_steps", "1")
+    exact += ("--save_steps", "5", "--save_total_limit", "10", "--sdc_check_steps", "5")
+    clean = tmp_path / "clean"
+    assert launch("cpu.yaml", recipe_args(small_data, clean / "out", 2 * STEPS, *exact), clean, num_processes=3).returncode == 0
+    with Hosts(3) as hosts:
+        job = Job(
+            hosts,
+            small_data,
+            tmp_path,
+            "sdc",
+            faults={"rank": "all", "flip": {"steps": [7, 12], "what": "weights"}},
+            restarts=2,
+            launcher_args=("--min_machines", "2", "--rdzv_conf", "last_call_timeout=5"),
+            extra=exact,
+            machines=3,
+            faulty=2,
+        )
+        assert job.exits_within([2], 300)
+        assert job.procs[2].returncode == 77, job.log(2)[-3000:]
+        assert job.log(2).strip().splitlines()[-1] == "launch: h2 leaves the job, which goes on without it: exiting with code 77"
+        for proc in job.procs[:2]:
+            proc.wait(timeout=300)
+    log = job.log(0)
+    assert [proc.returncode for proc in job.procs] == [0, 0, 77], log[-3000:]
+    rank = re.search(r"sdc: copies disagree at step 10: rank (\d) on h2 differ in model\.", log)
+    assert rank and "sdc: repaired: back to step_00000005; the 5 steps since are trained again" in log, log[-3000:]
+    assert f"sdc: copies disagree at step 15: rank {rank[1]} on h2 differ in model." in log
+    assert "sdc: h2 will leave the job; the others go on without it from this step" in log
+    assert f"world size 2 (MULTI_CPU), resumed at step 10 from {tmp_path / 'out' / 'checkpoints' / 'step_00000010'}" in log
+    assert "Traceback" not in log and not (tmp_path / "out" / "stopped.json").exists()
+    assert samples_by_step(tmp_path / "out") == samples_by_step(clean / "out")  # every step's samples, each once
+    ours, theirs = weights(tmp_path / "out"), weights(clean / "out")
+    assert max(float((ours[name] - theirs[name]).abs().max()) for name in theirs) < 1e-5
