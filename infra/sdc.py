@@ -32,6 +32,7 @@ from accelerate.utils import DistributedType
 
 from infra.config import require
 from infra.environment import zero_stage
+from infra.health import DesyncError
 
 SDC_EXIT_CODE = 77  # copies disagreed again, or could not be repaired: stopped at the newest sound checkpoint
 
@@ -144,8 +145,6 @@ class Copies:
         if self.scope is None:
             return None
         if (found := self.compare(step)) is not None:
-            from infra.health import DesyncError
-
             raise DesyncError(describe(found))
         count = len(self.tensors())
         return f"copies identical on all {self.accelerator.num_processes} ranks: {self.scope}, {count} tensors"
