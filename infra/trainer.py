@@ -511,10 +511,14 @@ class Trainer:
     def roll_back(self) -> None:
         """After max_bad_steps non-finite steps in a row: the guard reloads the newest checkpoint (or stops); the loop's
         window starts again from its step."""
-        manifest = self.guard.act(self.state, self.cursor, self.watch.relaxed)
+        self.went_back(self.guard.act(self.state, self.cursor, self.watch.relaxed))
+
+    def went_back(self, manifest: dict, repair: bool = False) -> None:
+        """After the state of `manifest`'s checkpoint was loaded in the loop (a rollback, a repair): its metrics, the
+        loss meter, the observers (`repair`: goodput counts the steps undone as the repair's) and the combine."""
         self.latest = manifest.get("metrics", {})
         self.metrics.reset_loss()
-        self.watch.rolled_back(manifest, self.state.step, self.state.rollbacks)
+        self.watch.rolled_back(manifest, self.state.step, self.state.rollbacks, repair)
         self.combine.rolled_back()
 
     def log(self, result: StepResult) -> None:
@@ -607,10 +611,7 @@ class Trainer:
         if path is None:
             why = why or "no checkpoint to return to"
         else:
-            self.latest = manifest.get("metrics", {})
-            self.metrics.reset_loss()
-            self.watch.rolled_back(manifest, self.state.step, self.state.rollbacks, repair=why is None)
-            self.combine.rolled_back()
+            self.went_back(manifest, repair=why is None)
             self.shares.start()  # from the checkpoint's data position
         if why is None:
             copies.counts["sdc/repairs"] += 1
