@@ -1,4 +1,5 @@
-"""What the silent-data-corruption checks cost (infra.sdc), and what a repair costs, as ratios measured in the run.
+"""What the silent-data-corruption checks cost (infra.sdc, infra.replay), what a repair and a replay cost, as ratios
+measured in the run.
 
     make bench                      # or: python benchmarks/sdc.py --steps 120
 
@@ -11,6 +12,10 @@ accelerate_configs/cpu.yaml), in two runs:
 - `repair`: one bit of rank 1's weights flipped after step 30, a checkpoint every 20 steps and a check every 20: caught
   at step 40, back to step 20, 20 steps trained again. Printed: the seconds counted as the repair's (`goodput/repair_
   seconds`: the steps undone) and the run's extra wall time over the `checks` run, in steps.
+- `replay`: rank 1's loss multiplied by 1000 at step 30 (a spike): that step computed again from the state before it.
+  Printed: its seconds (`sdc/replay_seconds`) in steps' time.
+- `no replay`: the `checks` run with `--sdc_replay off`: the median step time's ratio to the `checks` run's, what
+  being ready to compute a step again costs when nothing is suspicious (the random state copied each step).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ def launch(data_dir: str, work: Path, name: str, steps: int, *extra: str, faults
     wall = time.perf_counter() - start
     client = mlflow.MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("pretrain_clm").experiment_id])
-    keys = ("perf/step_time", "sdc/check_seconds", "sdc/checks", "sdc/repairs", "goodput/repair_seconds")
+    keys = ("perf/step_time", "sdc/check_seconds", "sdc/checks", "sdc/repairs", "goodput/repair_seconds", "sdc/replay_seconds")
     return {k: [m.value for m in sorted(client.get_metric_history(run.info.run_id, k), key=lambda m: m.step)] for k in keys}, wall
 
 
@@ -71,6 +76,13 @@ def main() -> None:
             f"repair: {int(repair['sdc/repairs'][-1])} repair, {redone:.1f}s of steps undone (goodput/repair_seconds); "
             f"{wall - plain_wall:+.1f}s of wall time over the run with checks alone ({(wall - plain_wall) / step:.0f} steps' time)"
         )
+        spike = {"rank": 1, "scale_loss": {"steps": [30], "by": 1000}}
+        replay, _ = launch(args.data_dir, work, "replay", args.steps, "--sdc_check_steps", "10", "--save_steps", "20", faults=spike)
+        seconds = replay["sdc/replay_seconds"][-1] if replay["sdc/replay_seconds"] else 0.0
+        print(f"replay: a step computed again took {seconds:.2f}s ({seconds / step:.1f} steps' time, sdc/replay_seconds)")
+        off, _ = launch(args.data_dir, work, "off", args.steps, "--sdc_check_steps", "10", "--save_steps", "20", "--sdc_replay", "off")
+        ratio = step / statistics.median(off["perf/step_time"][1:])
+        print(f"no replay (--sdc_replay off): the median step with replays ready takes {ratio:.3f}x the one without")
 
 
 if __name__ == "__main__":

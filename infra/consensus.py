@@ -27,17 +27,19 @@ class Agreement:
     preempted: bool  # a signal reached some rank: save and stop
     signal: str | None  # which: SIGTERM over SIGUSR1 when ranks got different ones
     nonfinite: bool  # some rank's loss or gradient norm is NaN or infinite
+    spike: bool = False  # some rank's loss or gradient norm spiked (infra.replay): the step is computed again
 
 
 class StepConsensus:
     def __init__(self, accelerator: Accelerator, clock: SaveClock, preemption: Preemption):
         self.accelerator, self.clock, self.preemption = accelerator, clock, preemption
 
-    def agree(self, step: int, nonfinite: torch.Tensor | None = None) -> Agreement:
-        """The agreement at the end of `step`; `nonfinite` is this rank's flag (a 0-dim tensor, see guard.nonfinite)."""
+    def agree(self, step: int, nonfinite: torch.Tensor | None = None, spike: torch.Tensor | None = None) -> Agreement:
+        """The agreement at the end of `step`; `nonfinite` and `spike` are this rank's flags (0-dim tensors, see
+        guard.nonfinite and infra.replay; None: not raised)."""
         due = self.accelerator.is_main_process and self.clock.by_time()
         device = self.accelerator.device
-        flags = [] if nonfinite is None else [nonfinite.float().reshape(1)]
+        flags = [torch.zeros(1, device=device) if f is None else f.float().reshape(1).to(device) for f in (nonfinite, spike)]
         agreed = torch.cat([torch.tensor([float(self.preemption.signal or 0), float(due)], device=device), *flags])
         if self.accelerator.num_processes > 1:
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
@@ -47,5 +49,6 @@ class StepConsensus:
             save_due=preempted or due or self.clock.by_steps(step),
             preempted=preempted,
             signal=signal.Signals(int(values[0])).name if preempted else None,
-            nonfinite=len(values) > 2 and values[2] > 0,
+            nonfinite=values[2] > 0,
+            spike=values[3] > 0,
         )

@@ -9,7 +9,8 @@ The rest is broken down into
 - `eval`:        held-out evaluations;
 - `restart`:     from the last sign of life of a launch that stopped without finishing to the start of the next one
                  (detecting the fault, the scheduler's or the elastic agent's restart);
-- `repair`:      steps undone by a repair of silent data corruption (infra.sdc), to be trained again;
+- `repair`:      steps undone by a repair of silent data corruption (infra.sdc), to be trained again, and steps
+                 computed again to tell a transient fault from the data (infra.replay);
 - `lost`:        the rest: steps trained after the newest checkpoint and lost with their launch (done again), launches
                  that never reached a checkpoint, and steps undone by a rollback.
 
@@ -32,6 +33,7 @@ import psutil
 
 LEDGER = "goodput.json"
 KEPT = ("train", "startup", "checkpoint", "eval", "restart", "repair")  # carried in checkpoints; `lost` is the remainder
+STALLS = ("checkpoint", "eval", "repair")  # times inside the loop that are not training: Goodput.stall's kinds
 
 
 def process_start() -> float:
@@ -52,7 +54,7 @@ class Goodput:
         self.idle = 0.0  # between a launch that finished and one that continued the run: not part of its wall time
         self.loop_start: float | None = None  # this launch's first step (or its last rollback)
         self.own_startup = 0.0  # this launch's start-up, once its first step began
-        self.stalls = {"checkpoint": 0.0, "eval": 0.0}  # this launch's, inside the loop
+        self.stalls = dict.fromkeys(STALLS, 0.0)  # this launch's, inside the loop
 
     def resume(self, manifest: dict) -> None:
         """The ledger of the checkpoint resumed from (if any), and what goodput.json says of earlier launches."""
@@ -81,7 +83,7 @@ class Goodput:
             if repair:
                 self.kept["repair"] += max(0.0, undone)
             self.loop_start = self.clock()
-            self.stalls = {"checkpoint": 0.0, "eval": 0.0}
+            self.stalls = dict.fromkeys(STALLS, 0.0)
             self.own_startup = 0.0  # in the checkpoint's ledger if that checkpoint is this launch's, else lost
 
     def first_step(self) -> None:
@@ -106,9 +108,9 @@ class Goodput:
         if self.loop_start is not None:
             out["startup"] += self.own_startup
             loop = now - self.loop_start
-            out["checkpoint"] += self.stalls["checkpoint"]
-            out["eval"] += self.stalls["eval"]
-            out["train"] += max(0.0, loop - self.stalls["checkpoint"] - self.stalls["eval"])
+            for kind, seconds in self.stalls.items():
+                out[kind] += seconds
+            out["train"] += max(0.0, loop - sum(self.stalls.values()))
         else:
             out["startup"] += now - self.launch_start
         return out

@@ -22,6 +22,9 @@ class Hooks:
     def before_commit(self, step: int) -> None:
         """Between a synchronous save_state and its commit."""
 
+    def on_gradients(self, step: int, model: torch.nn.Module) -> None:
+        """After the passes of `step` (its gradients summed across processes), before clipping; again if it is computed again."""
+
     def before_optimizer_step(self, step: int, model: torch.nn.Module, grad_norm) -> None:
         """After the backward passes and clipping of `step`, before the optimizer steps (DeepSpeed has stepped already)."""
 

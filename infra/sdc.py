@@ -57,8 +57,27 @@ class SdcConfig:
         },
     )
 
+    sdc_replay: Literal["auto", "on", "off"] = field(
+        default="auto",
+        metadata={
+            "help": "Compute a suspicious step (some process's loss or gradient norm non-finite or spiking) again from the "
+            "state before it, with the same samples and random state, and compare each process's results: a process whose "
+            "result changed had a transient fault (named; the step computed again is kept), the same result twice is the "
+            "data or the model. auto: where the engine allows it (DDP, FSDP, one process; not DeepSpeed, nor replica groups)."
+        },
+    )
+    sdc_spike_factor: float = field(
+        default=10.0,
+        metadata={
+            "help": "A loss or gradient norm over this many times the largest of the last 100 kept steps' is a spike: the "
+            "step is computed again (sdc_replay). 0: only non-finite values are."
+        },
+    )
+
     def __post_init__(self):
         require(self.sdc_check_steps >= 1, "sdc_check_steps", self.sdc_check_steps, "an integer >= 1 (sdc_action=off: no check)")
+        factor = self.sdc_spike_factor
+        require(factor == 0 or factor > 1, "sdc_spike_factor", factor, "0 (no spike check) or a number > 1")
 
 
 def copies_of(accelerator: Accelerator) -> str | None:

@@ -14,9 +14,11 @@ The launch tests start real recipes, so the faults travel in the environment:
   `"slow_reads": [[seconds, first, last], ...]`: its reads of a step's share slower by `seconds` a sample, steps
   `first` through `last` (a slow disk: the wait for data grows with the share).
   `"flip": {"steps": [7], "what": "weights", "bit": 20}`: one bit of the first element of the first parameter
-  (`weights`), of its first optimizer moment (`optimizer`) or of its gradient before the update (`gradient`) flipped,
-  at each of those steps once in the process's life (a transient fault, as a flipped bit in memory is: a step trained
-  again is not hit again).
+  (`weights`, after the update), of its first optimizer moment (`optimizer`, after the update) or of its gradient
+  (`gradient`: summed across processes, before clipping) flipped, at each of those steps once in the process's life (a
+  transient fault, as a flipped bit in memory is: a step trained or computed again is not hit again).
+  `"scale_loss": {"steps": [12], "by": 1000.0}`: the loss of the process's first micro-batch of each of those steps
+  multiplied, once in its life (a core that miscomputes its forward pass once).
 - `INFRA_TEST_PAUSE_IN_SAVE`: seconds to pause after save_state and before the commit, so a test can kill a
   save midway.
 - `INFRA_TEST_DUMP_GRADS`: a folder where rank 0 writes `step1.pt` before the first optimizer step: the gradient
@@ -54,6 +56,8 @@ class Faults(Hooks):
         self.slow_reads = [tuple(phase) for phase in spec.get("slow_reads", [])] if active else []
         self.flip = dict(spec.get("flip", {})) if active else {}
         self.flipped: set[int] = set()  # the steps flipped already
+        self.scale_loss = dict(spec.get("scale_loss", {})) if active else {}
+        self.scaled: set[int] = set()  # the steps whose loss was scaled already
         self.step = 0  # the last step ended in this process
         self.hang_at_step = spec.get("hang_at_step") if active else None
         # only in the first incarnation of the group: torch elastic counts its restarts
@@ -70,6 +74,12 @@ class Faults(Hooks):
         for seconds, first, last in self.slow_steps:
             if first <= self.step + 1 <= last:
                 time.sleep(seconds * samples)
+        step = self.step + 1
+        if step in self.scale_loss.get("steps", []) and step not in self.scaled:
+            self.scaled.add(step)
+            by = float(self.scale_loss.get("by", 1000.0))
+            print(f"test fault: rank {self.rank} scaled its loss by {by:g} at step {step}", flush=True)
+            loss = loss * by
         return loss * float("nan") if batch in self.nan_batches else loss
 
     def on_read(self, samples: int) -> None:
@@ -108,8 +118,10 @@ class Faults(Hooks):
         self.flip_bit(step, "weights", model)
         self.flip_bit(step, "optimizer", model, optimizer)
 
-    def before_optimizer_step(self, step: int, model: torch.nn.Module, grad_norm) -> None:
+    def on_gradients(self, step: int, model: torch.nn.Module) -> None:
         self.flip_bit(step, "gradient", model)
+
+    def before_optimizer_step(self, step: int, model: torch.nn.Module, grad_norm) -> None:
         if not self.grads_dir or step != 1:
             return
         from torch.distributed.tensor import DTensor

@@ -51,7 +51,7 @@ from infra.checkpoint import (
 from infra.checkpoint.trainable import has_frozen_parameters, keep_trainable_only
 from infra.combine import Combine, EngineSum
 from infra.companions import companion_parameters, prepare_companions
-from infra.consensus import StepConsensus
+from infra.consensus import Agreement, StepConsensus
 from infra.data import Data, DataArguments, SampleTrace, eval_batches
 from infra.data.errors import DataError
 from infra.data.steps import EvenShares, Micro, SplitShares
@@ -76,6 +76,7 @@ from infra.optim import build_optimizer, build_scheduler
 from infra.preemption import Preemption, clear_stop_record, write_stop_record
 from infra.preflight import run_preflight
 from infra.recipe import attention_of
+from infra.replay import Passes, Replays, replay_problem
 from infra.sdc import SDC_EXIT_CODE, Copies, Mismatch, describe, sdc_problem
 from infra.shares import KeepingUp, Seat, Speeds, rebalanced
 from infra.tracking import MetricLogger, end_run, last_logged_step, run_name_for, run_tags, start_run, tracking_uri
@@ -167,7 +168,8 @@ class Trainer:
         self.combine = combine or EngineSum()
         # a refusal here (LaunchError) leaves nothing on disk, not even the lock
         checkpoint_activations(acc, job.model, args.gradient_checkpointing)
-        if why := check_engine(acc, job.model) or sdc_problem(acc, args.sdc_action):
+        why = check_engine(acc, job.model) or sdc_problem(acc, args.sdc_action)
+        if why := why or replay_problem(acc, args.sdc_replay, args.fault_tolerance):
             raise LaunchError(why)
         claim(acc, self.own_dir)  # one job per output_dir: before anything is written, held to the end
         if acc.is_main_process:
@@ -205,6 +207,8 @@ class Trainer:
         self.consensus = StepConsensus(acc, self.clock, self.preemption)
         self.guard = NonFiniteGuard(acc, args, self.checkpoints, args.verify_checksums)
         self.copies = Copies(acc, self.model, self.optimizer, args)  # what the processes hold identically (infra.sdc)
+        # a suspicious step computed again (infra.replay); a rank it names counts with those the copies name
+        self.replays = Replays(acc, args.sdc_replay, args.sdc_spike_factor, args.fault_tolerance, self.copies.named)
         sources = [s.name for s in job.data.mixture.sources] if job.data.mixture and job.per_sample_losses else []
         self.metrics = TrainMetrics(acc, job.unit, job.flops_per_unit, compiled=args.torch_compile, sources=sources)
         peers = roster(acc)
@@ -401,15 +405,14 @@ class Trainer:
         # each micro-batch's summed loss over this: DDP, ZeRO and FSDP average the ranks' gradients, and accelerate
         # divides each micro-batch's by the accumulation steps, so the sum of all is divided by `items` exactly once
         num_items_in_batch = items / (acc.num_processes * args.gradient_accumulation_steps)
-        step_loss = self.backward(micros, num_items_in_batch)
-        loss, loss_sum = self.combine.gradients(step_loss, num_items_in_batch)  # this rank's summed item losses
-        grad_norm = self.clip_gradients()
-        self.hooks.before_optimizer_step(state.step + 1, self.model, grad_norm)
+        before = self.replays.before()  # the random state, for a step computed again (infra.replay)
+        passes = self.passes(micros, num_items_in_batch)
+        self.hooks.before_optimizer_step(state.step + 1, self.model, passes.grad_norm)
         if not self.combine.commit():
             self.optimizer.zero_grad(set_to_none=True)
             self.metrics.end_step(keep=False)  # the recipe's metrics of a try that did not count
             return None
-        result = self.update(loss, loss_sum, items, grad_norm)
+        result = self.update(passes, items, again=lambda first, agreed: self.replay(before, micros, num_items_in_batch, first, agreed))
         self.shares.committed(state.step, self.watch.trace)
         self.combine.committed(seat)
         return result
@@ -424,6 +427,35 @@ class Trainer:
         self.metrics.meter.waited(waited)
         self.stragglers.waited(waited, sum(len(m.ids) for m in micros))
         return micros
+
+    def passes(self, micros: list[Micro], num_items_in_batch: torch.Tensor) -> Passes:
+        """The forward and backward passes of this process's micro-batches, the gradients combined (infra.combine) and
+        clipped."""
+        step_loss = self.backward(micros, num_items_in_batch)
+        loss, loss_sum = self.combine.gradients(step_loss, num_items_in_batch)  # this rank's summed item losses
+        self.hooks.on_gradients(self.state.step + 1, self.model)
+        return Passes(loss, loss_sum, self.clip_gradients())
+
+    def replay(self, before: tuple, micros: list[Micro], items: torch.Tensor, first: Passes, agreed: Agreement) -> tuple[Passes, Agreement]:
+        """A suspicious step computed again from the state before it (infra.replay): the same samples and random state,
+        every process; both attempts' results judged. The second attempt's passes are the step's, and the agreement with
+        its non-finite flag; a process named twice is left out at the next stop_reason."""
+        started, step = time.perf_counter(), self.state.step + 1
+        self.watch.entering("a step computed again (infra.replay)")
+        with self.watch.stalled("repair"):
+            suspect = self.replays.suspect(first, self.guard.flag(first.loss, first.grad_norm))
+            results = [self.replays.mine(first, self.model)]
+            self.metrics.end_step(keep=False)  # the first attempt's recipe metrics
+            self.optimizer.zero_grad(set_to_none=True)
+            self.replays.restore(before)
+            passes = self.passes(micros, items)
+            results.append(self.replays.mine(passes, self.model))
+            flags = (suspect, self.guard.flag(passes.loss, passes.grad_norm))
+            verdict = self.replays.judge(step, (first, passes), tuple(results), flags, time.perf_counter() - started)
+        hosts = self.stragglers.hosts
+        self.watch.say(f"sdc: {verdict.line()}" + "".join(f"; rank {r} is on {hosts[r]}" for r in verdict.named))
+        self.watch.log(dict(self.replays.counts), step=step)
+        return passes, replace(agreed, nonfinite=verdict.nonfinite, spike=False)
 
     def backward(self, micros: list[Micro], num_items_in_batch: torch.Tensor) -> torch.Tensor:
         """The forward and backward passes of this process's micro-batches; their summed loss. With a data_mixture (whose
@@ -469,12 +501,19 @@ class Trainer:
         self.metrics.add_recipe_metrics(out.metrics, samples_in(batch))
         return out.loss
 
-    def update(self, loss: torch.Tensor, loss_sum: torch.Tensor, items: torch.Tensor, grad_norm) -> StepResult:
-        """The end of a step whose gradients are ready: the ranks' agreement, then the update unless some rank saw a
-        non-finite `loss` or gradient; the counters. `loss_sum` is this rank's summed item losses, `items` the step's."""
+    def update(self, passes: Passes, items: torch.Tensor, again) -> StepResult:
+        """The end of a step whose gradients are ready: the ranks' agreement; a suspicious step computed `again` (a
+        non-finite or spiking loss or gradient norm: infra.replay); then the update unless some rank saw a non-finite
+        loss or gradient; the counters. `items` is the step's."""
         state = self.state
         self.watch.entering("the step agreement's all-reduce")
-        agreed = self.consensus.agree(state.step + 1, self.guard.flag(loss, grad_norm))
+        loss, grad_norm = passes.loss, passes.grad_norm
+        agreed = self.consensus.agree(state.step + 1, self.guard.flag(loss, grad_norm), self.replays.spike(loss, grad_norm))
+        if self.replays.due(agreed.nonfinite, agreed.spike):
+            passes, agreed = again(passes, agreed)
+        loss, loss_sum, grad_norm = passes
+        if not agreed.nonfinite:
+            self.replays.kept(passes)
         steps = self.guard.record(agreed.nonfinite, state)
         if not agreed.nonfinite:
             self.metrics.add_loss(loss_sum, items)
@@ -546,6 +585,9 @@ class Trainer:
             return {"reason": "preempted", "signal": result.preempted}
         if (stop := self.combine.stop()) is not None:  # a replica group left out of the quorum (infra.replicas.pace)
             return stop
+        if ranks := self.replays.twice:  # named a second time (infra.replay, infra.sdc): a machine that computes wrong
+            self.watch.say(f"sdc: {', '.join(f'rank {r}' for r in ranks)} named a second time: a machine that computes wrong")
+            return {**self.leave_out(ranks, "sdc"), "ranks": ranks, "found_at": self.state.step, "tensors": []}
         if window is not None and window.slow and self.args.straggler_action == "checkpoint_and_exit":
             return self.leave_out(window.slow)
         if behind:

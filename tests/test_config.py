@@ -117,6 +117,7 @@ def test_resolved_config_flattens_to_dotted_params():
             "straggler_min_samples=99 is not valid: expected at most the even share of a micro-step",
         ),
         ("", ["--sdc_check_steps", "0"], "sdc_check_steps=0 is not valid: expected an integer >= 1 (sdc_action=off: no check)"),
+        ("", ["--sdc_spike_factor", "1"], "sdc_spike_factor=1.0 is not valid: expected 0 (no spike check) or a number > 1"),
     ],
 )
 def test_recipe_refuses_bad_config_in_one_line_and_creates_nothing(tmp_path, yaml_text, extra, expected):
@@ -206,6 +207,8 @@ FROZEN_SURFACE = {
         "straggler_replay": "",
         "sdc_check_steps": 50,
         "sdc_action": "auto",
+        "sdc_replay": "auto",
+        "sdc_spike_factor": 10.0,
         "preflight": True,
         "preflight_only": False,
         "time_budget_hours": 0.0,
