@@ -176,6 +176,14 @@ def arguments(case: Case, inputs: dict, out: Path, max_steps: int, processes: in
     return args
 
 
+TRANSIENT = {"steps": [2], "by": float("nan")}  # once in a process's life: a step computed again does not meet it
+
+
+def replayed(case: Case) -> bool:
+    """Whether the run's first launch meets a transient fault (infra.replay's engines: DDP, FSDP)."""
+    return case.fault == "non_finite" and case.engine in ("ddp", "fsdp2")
+
+
 def bad_batches(processes: int) -> list[int]:
     """Micro-batches (counted on each rank since the run began) of steps 5 and 6: two non-finite steps in a row, a
     rollback to step 4, the data since skipped."""
@@ -183,9 +191,13 @@ def bad_batches(processes: int) -> list[int]:
     return [4 * per_step + 1, 5 * per_step + 1]
 
 
-def faults(case: Case, **more) -> dict[str, str]:
-    """The launch's environment: FSDP on CPU asked for, and the injected faults (the run's non-finite steps, `more`)."""
+def faults(case: Case, transient: bool = False, **more) -> dict[str, str]:
+    """The launch's environment: FSDP on CPU asked for, and the injected faults (the run's non-finite steps, `more`).
+    `transient`: with non-finite steps, also a loss made NaN once at step 2 on every process, where a step can be
+    computed again (infra.replay: not under DeepSpeed): computed again, kept, and the run goes on as without it."""
     spec = {"nan_batches": bad_batches(case.processes)} if case.fault == "non_finite" else {}
+    if transient and replayed(case):
+        spec["scale_loss"] = TRANSIENT
     spec |= more
     return {FSDP_ON_CPU_ENV: "1"} | ({FAULTS_ENV: json.dumps({"rank": "all", **spec})} if spec else {})
 
@@ -202,7 +214,7 @@ def run(
 def interrupted(case: Case, inputs: dict, folder: Path, upload: str | None) -> tuple[subprocess.CompletedProcess, int | None]:
     """The first launch, cut by the run's fault: its result and the step the next launch must resume at."""
     if case.fault in ("none", "non_finite"):
-        return run(case, inputs, folder, STOP, case.processes, upload, faults(case)), STOP
+        return run(case, inputs, folder, STOP, case.processes, upload, faults(case, transient=True)), STOP
     # SIGTERM to the launcher, or kill -9 of every process, once step 4 is committed; each micro-batch slowed so that it
     # lands before the run ends
     env = faults(case, slow_seconds=0.25)
@@ -278,6 +290,9 @@ def check(case: Case, inputs: dict, tmp_path: Path, upload: str | None) -> None:
     assert first.returncode == 0 and step is not None, first.stdout[-3000:] + first.stderr[-5000:]
     if case.fault == "non_finite":
         assert "rolled back to step_00000004" in first.stdout, first.stdout[-3000:]
+    if replayed(case):  # step 2's NaN, once: every process named, the step computed again kept (the straight run has none)
+        assert "sdc: step 2 computed again from the state before it (rank 0: loss nan" in first.stdout, first.stdout[-3000:]
+        assert "computed another loss: a transient fault in its forward pass; the step computed again is kept" in first.stdout
     if case.save == "async" and case.engine != "ddp":  # said once, not silently ignored
         assert first.stdout.count("saves synchronously here (background saves: DDP or one process)") == 1
     after = case.processes if case.resume == "same" else 3 - case.processes
