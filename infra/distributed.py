@@ -10,6 +10,7 @@ from datetime import timedelta
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
+from torch.distributed.tensor import DTensor
 
 from infra.errors import RunError
 
@@ -150,3 +151,8 @@ def gathered(accelerator: Accelerator, value):
     out = [None] * accelerator.num_processes
     torch.distributed.all_gather_object(out, value)
     return out
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's part of `tensor` (the tensor itself unless sharded: FSDP2's DTensor), writable in place."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -4,19 +4,17 @@ A step is suspicious when some process's loss or gradient norm is non-finite, or
 largest of the last 100 kept steps' (after 10 of them). The ranks agree on it in the step's one all-reduce
 (infra.consensus), before the optimizer steps, so the state before the step is still there: the weights and
 optimizer state untouched, the samples in memory, the random state taken as the step began. Every process then zeroes
-its gradients, restores that random state and runs the step's passes again. Each process's result of each attempt is
-reduced to two numbers: the bits of its own summed loss (its forward passes, before any sum across processes) and the
-integer sum of the bits of its gradients (as summed across processes: the engine's all-reduce, or its shard of them),
-and the four numbers of every process are gathered once:
+its gradients, restores that random state and runs the step's passes again. Each process's result of each attempt
+(`Attempt`: its own summed loss, from its forward passes before any sum across processes; the integer sum of the bits
+of its gradients as summed across processes, the engine's all-reduce or its shard of it; whether the step looked
+suspicious there) is gathered once, and judged:
 
-- a process whose loss changed between the attempts had a transient fault in its forward passes: named;
-- a process whose gradients changed while other processes' did not (its loss the same): a fault on it after the
-  passes, in its copy of the summed gradients: named;
-- every process's gradients changed and no loss did: a fault in some process's backward pass, which cannot be told
-  under DDP (the passes sum the gradients), or kernels that are not deterministic (a GPU's atomics: see
-  `torch.use_deterministic_algorithms`): not named;
-- nothing changed: the step is what the data and the model give, not the machine: a non-finite step goes to the
-  non-finite guard as before (skipped, or rolled back past the data), a spike is kept.
+- suspicious again on some process: the step is what the data and the model give, not the machine: a non-finite step
+  goes to the non-finite guard as before (skipped, or rolled back past the data), a spike is kept;
+- no longer suspicious: a transient fault, named where it shows: a process whose loss changed (by more than 1e-3 of
+  itself: a GPU's kernels that are not deterministic change the last bits only) had it in its forward passes; else a
+  process whose copy of the summed gradients changed while other processes' did not had it after its passes; else
+  (every copy changed, no loss did) it was in some process's backward pass, which the sum hides: not named.
 
 Whatever the verdict, the step computed again is the one kept: it is what a run without the fault computes, so a run
 with a transient fault ends bit for bit as a run without it. A process named a second time (by a replay or by the
@@ -36,8 +34,8 @@ from typing import NamedTuple
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
-from torch.distributed.tensor import DTensor
 
+from infra.distributed import local
 from infra.sdc import bits
 
 HISTORY = 100  # kept steps whose largest loss and gradient norm a spike is measured against
@@ -75,7 +73,7 @@ def grad_bits(model: torch.nn.Module) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.int64, device=next(model.parameters()).device)
     for p in model.parameters():
         if p.grad is not None:
-            total += bits(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).to(total.device)
+            total += bits(local(p.grad)).to(total.device)
     return total
 
 
@@ -156,58 +154,89 @@ class Replays:
         if norm is not None and math.isfinite(norm):  # an fp16 step the scaler skips has an infinite norm
             self.norms.append(norm)
 
-    def mine(self, passes: Passes, model: torch.nn.Module) -> list[torch.Tensor]:
-        """This process's result of one attempt: its loss's bits, its gradients' bits."""
-        return [passes.loss.detach().float().reshape(()).view(torch.int32).to(torch.int64), grad_bits(model)]
+    def attempt(self, passes: Passes, model: torch.nn.Module, nonfinite: torch.Tensor) -> Attempt:
+        """This process's result of one attempt; `nonfinite` its flag for the non-finite guard (a synchronisation:
+        only in a replay)."""
+        loss = passes.loss.detach().float().reshape(())
+        norm = None if passes.grad_norm is None else float(passes.grad_norm)
+        suspect = bool(self.suspect(passes, nonfinite))
+        return Attempt(int(loss.view(torch.int32)), int(grad_bits(model)), bool(nonfinite), suspect, float(loss), norm)
 
-    def judge(self, step: int, attempts: tuple[Passes, Passes], results: tuple[list, list], flags: tuple, seconds: float) -> Verdict:
-        """Both attempts' results gathered from every process (one collective) and judged (see the module's docstring).
-        `flags`: this process's (first attempt suspicious: non-finite or a spike; second attempt non-finite), 0-dim."""
+    def judge(self, step: int, first: Attempt, again: Attempt, seconds: float) -> Verdict:
+        """Both attempts of every process gathered (one collective) and judged (see the module's docstring)."""
         acc = self.accelerator
-        (first, again), device = results, results[0][0].device
-        suspect, nonfinite = flags
-        values = [float_bits(p.loss) for p in attempts] + [float_bits(p.grad_norm) for p in attempts]
-        mine = torch.stack([*first, *again, nonfinite.to(device, torch.int64), suspect.to(device, torch.int64).reshape(())])
-        mine = torch.cat([mine, torch.tensor(values, dtype=torch.int64, device=device)]).reshape(1, -1)
-        rows = (mine if acc.num_processes == 1 else acc.gather(mine).reshape(acc.num_processes, -1)).cpu().tolist()
-        named, finding = judged(rows)
+        mine = torch.tensor([first.flat() + again.flat()], dtype=torch.int64, device=acc.device)
+        rows = (mine if acc.num_processes == 1 else acc.gather(mine)).cpu().tolist()
+        width = len(first.flat())
+        both = [(Attempt.of(row[:width]), Attempt.of(row[width:])) for row in rows]
+        named, finding = judged(both)
         self.counts["sdc/replays"] += 1
         self.counts["sdc/transient_faults"] += len(named)
         self.counts["sdc/replay_seconds"] += seconds
         self.named.update(named)
         self.twice = [r for r in named if self.named[r] > 1]
-        return Verdict(step, named, finding, any(row[NONFINITE] for row in rows), suspicion(rows))
+        return Verdict(step, named, finding, any(again.nonfinite for _, again in both), suspicion(both))
 
 
-LOSS, GRADS, NONFINITE, SUSPECT, VALUES = 0, 1, 4, 5, 6  # a gathered row: first (loss, grads), again (loss, grads), ...
+class Attempt(NamedTuple):
+    """One process's result of one attempt at a step: the bits of its summed loss and of its gradients (as summed
+    across processes; its shard under FSDP), whether it is non-finite for the non-finite guard, whether the step looked
+    suspicious here (non-finite or a spike), and its loss and gradient norm."""
+
+    loss_bits: int
+    grad_bits: int
+    nonfinite: bool
+    suspect: bool
+    loss: float
+    norm: float | None
+
+    def flat(self) -> list[int]:
+        """As int64s, to be gathered (the floats by their float64 bits)."""
+        return [self.loss_bits, self.grad_bits, int(self.nonfinite), int(self.suspect), float_bits(self.loss), float_bits(self.norm)]
+
+    @classmethod
+    def of(cls, flat: list[int]) -> Attempt:
+        norm = None if flat[5] == float_bits(None) else bits_float(flat[5])
+        return cls(flat[0], flat[1], bool(flat[2]), bool(flat[3]), bits_float(flat[4]), norm)
 
 
-def judged(rows: list[list[int]]) -> tuple[list[int], str]:
-    """The processes named by both attempts' results (a row a process, laid out as above), and the finding in words."""
-    loss_changed = [r for r, row in enumerate(rows) if row[LOSS] != row[LOSS + 2]]
-    grads_changed = [r for r, row in enumerate(rows) if row[GRADS] != row[GRADS + 2]]
+LOSS_CHANGE = 1e-3  # relative: a loss that changed by less is the same loss (a GPU's kernels may differ in the last bits)
+
+
+def judged(both: list[tuple[Attempt, Attempt]]) -> tuple[list[int], str]:
+    """The processes named by their two attempts at a step (a pair a process), and the finding in words. A step still
+    suspicious when computed again is the data or the model; one that is not had a transient fault, named where it
+    shows: a process whose loss changed (its forward pass), or whose copy of the summed gradients changed while the
+    others' did not (after its passes; a process alone: its own)."""
+    if any(again.suspect for _, again in both):
+        return [], "suspicious again: the data or the model, not the machine"
     kept = "; the step computed again is kept"
+    loss_changed = [r for r, (a, b) in enumerate(both) if changed(a.loss, b.loss)]
+    grads_changed = [r for r, (a, b) in enumerate(both) if a.grad_bits != b.grad_bits]
     if loss_changed:
         return loss_changed, f"{ranks_of(loss_changed)} computed another loss: a transient fault in its forward pass{kept}"
-    if grads_changed and (len(grads_changed) < len(rows) or len(rows) == 1):
+    if grads_changed and (len(grads_changed) < len(both) or len(both) == 1):
         return grads_changed, f"{ranks_of(grads_changed)} got other gradients from the same loss: a transient fault after its passes{kept}"
-    if grads_changed:
-        return [], (
-            "every process got other gradients from the same losses: a transient fault in some process's backward pass "
-            f"(not told apart: the passes sum the gradients), or kernels that are not deterministic{kept}"
-        )
-    return [], "the same result on every process: the data or the model, not the machine"
+    return [], (
+        "no longer suspicious, with every process's loss the same: a transient fault in some process's backward pass "
+        f"(not told apart: the passes sum the gradients){kept}"
+    )
+
+
+def changed(a: float, b: float) -> bool:
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.isfinite(a) != math.isfinite(b) or (a != b and not (math.isnan(a) and math.isnan(b)))
+    return abs(a - b) > LOSS_CHANGE * max(abs(a), abs(b))
 
 
 def ranks_of(ranks: list[int]) -> str:
     return ", ".join(f"rank {r}" for r in ranks)
 
 
-def suspicion(rows: list[list[int]]) -> str:
+def suspicion(both: list[tuple[Attempt, Attempt]]) -> str:
     """The first attempt's loss and gradient norm on each process that found the step suspicious, one clause."""
     parts = []
-    for r, row in enumerate(rows):
-        if row[SUSPECT]:
-            loss, norm = bits_float(row[VALUES]), bits_float(row[VALUES + 2])
-            parts.append(f"rank {r}: loss {loss:.4g}" + ("" if row[VALUES + 2] == float_bits(None) else f", gradient norm {norm:.4g}"))
+    for r, (first, _) in enumerate(both):
+        if first.suspect:
+            parts.append(f"rank {r}: loss {first.loss:.4g}" + ("" if first.norm is None else f", gradient norm {first.norm:.4g}"))
     return "; ".join(parts) or "no process's own values"

@@ -31,6 +31,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from infra.config import require
+from infra.distributed import local
 from infra.environment import zero_stage
 from infra.health import DesyncError
 
@@ -62,7 +63,7 @@ class SdcConfig:
         metadata={
             "help": "Compute a suspicious step (some process's loss or gradient norm non-finite or spiking) again from the "
             "state before it, with the same samples and random state, and compare each process's results: a process whose "
-            "result changed had a transient fault (named; the step computed again is kept), the same result twice is the "
+            "result changed had a transient fault (named; the step computed again is kept), a step suspicious again is the "
             "data or the model. auto: where the engine allows it (DDP, FSDP, one process; not DeepSpeed, nor replica groups)."
         },
     )
@@ -127,16 +128,7 @@ class Copies:
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Every tensor in scope, named, in the same order on every process."""
-        inner = self.accelerator.unwrap_model(self.model)
-        named = [(f"model.{n}", p) for n, p in inner.named_parameters()]
-        if self.scope == "weights and optimizer state":
-            names = {id(p): n for n, p in inner.named_parameters()}
-            for group in self.optimizer.param_groups:
-                for p in group["params"]:
-                    for key, value in sorted(self.optimizer.state.get(p, {}).items()):
-                        if torch.is_tensor(value):
-                            named.append((f"optimizer.{names.get(id(p), '?')}.{key}", value))
-        return named
+        return named_state(self.accelerator, self.model, self.optimizer, self.scope == "weights and optimizer state")
 
     def compare(self, step: int) -> Mismatch | None:
         """Every process's numbers gathered and compared (a collective: every process calls it at the same step)."""
@@ -167,6 +159,27 @@ class Copies:
             raise DesyncError(describe(found))
         count = len(self.tensors())
         return f"copies identical on all {self.accelerator.num_processes} ranks: {self.scope}, {count} tensors"
+
+
+def named_state(accelerator: Accelerator, model, optimizer, optimizer_state: bool = True) -> list[tuple[str, torch.Tensor]]:
+    """This process's weights (and optimizer state), named, in the same order on every process: each tensor as this
+    process holds it (its own part of a sharded one)."""
+    inner = accelerator.unwrap_model(model)
+    named = [(f"model.{n}", local(p)) for n, p in inner.named_parameters()]
+    if optimizer_state:
+        names = {id(p): n for n, p in inner.named_parameters()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                for key, value in sorted(optimizer.state.get(p, {}).items()):
+                    if torch.is_tensor(value):
+                        named.append((f"optimizer.{names.get(id(p), '?')}.{key}", local(value)))
+    return named
+
+
+def state_bits(accelerator: Accelerator, model, optimizer) -> int:
+    """The integer sum of the bits of every tensor of this process's weights and optimizer state (int64, wrapping)."""
+    named = named_state(accelerator, model, optimizer)
+    return int(torch.stack([bits(t).cpu() for _, t in named]).sum()) if named else 0
 
 
 def disagreeing(rows: torch.Tensor) -> tuple[list[int], list[int]]:

@@ -443,15 +443,13 @@ class Trainer:
         started, step = time.perf_counter(), self.state.step + 1
         self.watch.entering("a step computed again (infra.replay)")
         with self.watch.stalled("repair"):
-            suspect = self.replays.suspect(first, self.guard.flag(first.loss, first.grad_norm))
-            results = [self.replays.mine(first, self.model)]
+            tried = self.replays.attempt(first, self.model, self.guard.flag(first.loss, first.grad_norm))
             self.metrics.end_step(keep=False)  # the first attempt's recipe metrics
             self.optimizer.zero_grad(set_to_none=True)
             self.replays.restore(before)
             passes = self.passes(micros, items)
-            results.append(self.replays.mine(passes, self.model))
-            flags = (suspect, self.guard.flag(passes.loss, passes.grad_norm))
-            verdict = self.replays.judge(step, (first, passes), tuple(results), flags, time.perf_counter() - started)
+            again = self.replays.attempt(passes, self.model, self.guard.flag(passes.loss, passes.grad_norm))
+            verdict = self.replays.judge(step, tried, again, time.perf_counter() - started)
         hosts = self.stragglers.hosts
         self.watch.say(f"sdc: {verdict.line()}" + "".join(f"; rank {r} is on {hosts[r]}" for r in verdict.named))
         self.watch.log(dict(self.replays.counts), step=step)
@@ -744,6 +742,10 @@ class Trainer:
                 write_stop_record(self.own_dir, state.step, stop)
             if stop["reason"] == "preempted":
                 acc.print(f"preempted ({stop['signal']}): saved step {state.step}; the next launch resumes from it")
+            elif "replica_group" in stop:
+                code = {"straggler": STRAGGLER_EXIT_CODE, "sdc": SDC_EXIT_CODE}[stop["reason"]]
+                group = stop["replica_group"]
+                acc.print(f"{stop['reason']}: replica group {group} left the quorum after step {state.step} (exit code {code})")
             elif stop["reason"] == "sdc" and in_job:
                 hosts = " and ".join(stop["hosts"])
                 acc.print(f"sdc: {hosts} leaves and the others restart without it from step {state.step} (exit code {SDC_EXIT_CODE})")
@@ -751,8 +753,6 @@ class Trainer:
                 named = ", ".join(f"rank {r}" for r in stop["ranks"])
                 line = f"sdc: stopped at step {state.step}, the newest sound checkpoint; start again without {named}"
                 acc.print(f"{line} (exit code {SDC_EXIT_CODE})")
-            elif "replica_group" in stop:
-                acc.print(f"straggler: replica group {stop['replica_group']} left the quorum after step {state.step} (exit code 75)")
             elif in_job:
                 hosts = " and ".join(stop["hosts"])
                 acc.print(f"straggler: saved step {state.step}; {hosts} leaves and the others restart without it (exit code 75)")

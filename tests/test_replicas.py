@@ -72,6 +72,27 @@ def test_the_engines_that_cannot_run_across_replica_groups_are_refused_in_one_li
     assert launch_problem(TrainingArguments(), "DEEPSPEED") is None  # without the flag nothing changes
 
 
+def test_the_groups_copies_travel_exactly_in_their_slots_and_the_group_apart_is_named():
+    from types import SimpleNamespace
+
+    from infra.replicas.copies import GroupCopies
+
+    numbers = [2**63 - 5, -(2**62) - 3, 2**63 - 5]  # any int64: two exact float64 halves each
+    trainer = SimpleNamespace(state=SimpleNamespace(step=10))
+    copies = GroupCopies(trainer, every=5, active=True)
+    summed = torch.zeros(6, dtype=torch.float64)
+    for rank, number in enumerate(numbers):  # each group's report in its slot, summed across the quorum
+        u = number & (2**64 - 1)
+        summed[2 * rank : 2 * rank + 2] += torch.tensor([float(u >> 32), float(u & (2**32 - 1))], dtype=torch.float64)
+    assert copies.due() and copies.received(summed) == [1] and copies.agreed_at == 0
+    summed[2:4] = summed[0:2]
+    assert copies.received(summed) == [] and copies.agreed_at == 10
+    assert copies.received(summed[:4] + torch.tensor([0, 0, 0, 1.0], dtype=torch.float64)) == [0, 1]  # two: no majority
+    assert copies.counts == {"sdc/group_checks": 3, "sdc/group_mismatches": 2}
+    trainer.state.step = 12
+    assert not copies.due() and not GroupCopies(trainer, every=4, active=False).due()
+
+
 def test_equal_states_have_equal_digests_and_one_bit_changes_it():
     state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "train": {"step": 3}, "metrics": {"perf/x": 1.0}}
     same = {"metrics": {"perf/x": 2.0}, "train": {"step": 3}, "model": {"w": torch.arange(6.0).reshape(2, 3).clone()}}
@@ -695,3 +716,49 @@ def test_a_slow_group_gets_a_smaller_share_then_its_share_back_then_leaves_the_q
     assert all(own[g][s] == 8 for g in "01" for s in range(45, steps + 1)), own
     shares = group_metrics(tmp_path, "shares/group_0")["0"]
     assert set(shares) <= set(range(window, steps + 1, window)) and len(shares) >= 4, shares
+
+
+@pytest.mark.slow  # 40-60 s each: CI runs the three groups' after the matrix (make test-ci-slow)
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("groups", [pytest.param(3, marks=pytest.mark.ci), 2])
+def test_a_group_whose_copy_of_the_state_goes_wrong_is_found_and_mended_and_the_run_ends_as_a_plain_one(groups, small_data, tmp_path):
+    """Replica groups of one process, a bit of the last group's weights flipped after step 7, the groups' copies
+    compared every 5 steps and checkpoints every 5. At the try of step 11 the copies of step 10 disagree: that try
+    commits nowhere. Three groups: the last is apart from the two others, heals from a live group at the next quorum,
+    and every group does step 11 again. Two groups: no majority, so every group goes back to step 5 (the checkpoint
+    of step 10, written after the copies last agreed, set aside) and trains the steps since again. Either way every
+    group ends with the same state bit for bit, every committed step on a plain run's samples, each once, and the
+    weights those of the plain run up to the order of the sums."""
+    steps, port = 16, free_port()
+    reference = plain_run(small_data, tmp_path / "plain", steps)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", "PYTHONUNBUFFERED": "1", "MLFLOW_TRACKING_URI": tracking_uri(tmp_path)}
+    flip = {FAULTS_ENV: json.dumps({"rank": "all", "flip": {"steps": [7], "what": "weights"}})}
+
+    def command(group: int) -> tuple[list[str], dict]:
+        args = recipe_args(small_data, tmp_path / "out", steps, *COMMON, "--per_device_train_batch_size", "4")
+        args += ["--fault_tolerance", "replicas", "--replica_group_id", str(group), "--lighthouse", f"http://127.0.0.1:{port}"]
+        args += ["--min_replicas", str(groups), "--sdc_check_steps", "5", "--save_steps", "5", "--save_total_limit", "10"]
+        return [sys.executable, str(REPO / "recipes" / "pretrain_clm.py"), *args], {**env, **(flip if group == groups - 1 else {})}
+
+    codes, logs = local_groups(tmp_path, port, groups, command)
+    assert codes == [0] * groups, "\n".join(log[-3000:] for log in logs)
+    assert "Traceback" not in "".join(logs)
+    faulty = logs[-1]
+    assert "test fault: rank 0 flipped bit 20 of its weights at step 7" in faulty
+    assert all("sdc: the replica groups' copies of the state disagree at step 10: " in log for log in logs), logs[0][-3000:]
+    assert all("step 11 did not commit (RuntimeError: sdc: the replica groups' copies" in log for log in logs)  # nowhere
+    if groups == 3:
+        assert re.search(r"disagree at step 10: group \d \(this one\) apart", faulty) and "this group heals from a live group" in faulty
+        assert re.search(r"healed from a live group to step 10 in [\d.]+s", faulty), faulty[-3000:]
+        assert all("(this one) apart" not in log for log in logs[:-1])
+    else:
+        assert all("(no majority: which is wrong cannot be told)" in log for log in logs)
+        assert all("sdc: back to step_00000005; the 5 steps since are trained again" in log for log in logs), logs[0][-3000:]
+        assert "sdc: set aside step_00000010" in "".join(logs)
+    finals = [set(re.findall(rf"final state of step {steps} \(xxh3 (\w+)\)", log)) for log in logs]
+    assert all(final == finals[0] and len(final) == 1 for final in finals), finals
+    assert {step: sorted(ids) for step, ids in traced_steps(tmp_path / "out").items()} == plain_steps(reference)
+    ours, theirs = load_file(tmp_path / "out" / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
+    assert max(float((ours[name] - theirs[name]).abs().max()) for name in theirs) < TOLERANCE
+    checkpoints = json.loads((tmp_path / "out" / "checkpoints" / "step_00000010" / "manifest.json").read_text())
+    assert checkpoints["step"] == 10  # written again (two groups) or never set aside (three: the saver was sound)

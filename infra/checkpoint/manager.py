@@ -450,6 +450,20 @@ class CheckpointManager:
             f"saving the checkpoint of step {step} failed{cause}; the earlier checkpoints are intact: {', '.join(kept) or 'none'}"
         )
 
+    def set_aside(self, after: int) -> list[str]:
+        """The committed checkpoints of steps after `after` moved to `checkpoints/corrupt/` (not known sound: copies
+        found apart since, infra.replicas.copies), on the main process; their names."""
+        moved = [p for p in self.checkpoints() if step_of(p) > after]
+        if self.accelerator.is_main_process and moved:
+            (self.root / CORRUPT).mkdir(exist_ok=True)
+            for path in moved:
+                os.replace(path, self.root / CORRUPT / f"{path.name}.{int(time.time())}")
+        return [p.name for p in moved]
+
+    def newest_through(self, step: int) -> Path | None:
+        """The newest committed checkpoint of `step` or before."""
+        return next((p for p in reversed(self.checkpoints()) if step_of(p) <= step), None)
+
     def prune(self) -> None:
         """Delete what the retention policy does not keep."""
         kept = self.retention.keep([(step_of(p), p) for p in self.checkpoints()], read_manifest)

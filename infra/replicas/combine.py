@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from infra.hangs import SILENT_AFTER
+from infra.health import DesyncError
+from infra.replicas.copies import GroupCopies
 from infra.replicas.pace import Decision, GroupPace
 from infra.replicas.quorum import ReplicaGroup, as_parts, digest, from_part
 from infra.shares import Seat
@@ -44,7 +47,9 @@ class QuorumSum:
         self.heals: list[tuple[int, float]] = []  # (step healed to, seconds), to log
         self.pace: GroupPace | None = None  # the groups' shares after their speeds (straggler_action: rebalance)
         self.counted = (0.0, 0.0)  # when the try's count across the groups began and ended (perf_counter)
-        self.leaving: dict | None = None  # this group's stop, once rebalancing cannot keep up with it
+        self.leaving: dict | None = None  # this group's stop, once rebalancing cannot keep up with it (or it computes wrong)
+        self.found: list[int] = []  # the groups (quorum ranks) whose copies of the state differed in this try
+        self.times_named = 0  # how often this group's copy was found apart from the others'
 
     def bind(self, trainer: Any) -> None:
         self.trainer, self.args = trainer, trainer.args
@@ -55,6 +60,7 @@ class QuorumSum:
         trainer.watch.watchdog.floor = 2 * trainer.args.replica_timeout_seconds + SILENT_AFTER
         if trainer.args.straggler_action == "rebalance":
             self.pace = GroupPace(trainer.args, trainer.accelerator.num_processes)
+        self.copies = GroupCopies(trainer, trainer.args.sdc_check_steps, trainer.args.sdc_action != "off")
 
     @property
     def saves(self) -> bool:
@@ -139,14 +145,35 @@ class QuorumSum:
     def count(self, items: torch.Tensor) -> torch.Tensor:
         """This group's items, summed over the quorum's groups."""
         self.costs["ft/samples"] = self.trainer.shares.samples_read  # this process's share (a hot spare: none)
-        if self.pace is None:
+        checking = self.copies.due()
+        if self.pace is None and not checking:
             return self.group.sum(items.reshape(1)).reshape(())
-        # with the groups' pace: each group's numbers of its last try, in its slot (infra.replicas.pace)
+        # each group's numbers in its slot: its last try's pace (infra.replicas.pace), its copy (infra.replicas.copies)
+        parts = [items.reshape(1).double()]
+        if self.pace is not None:
+            parts.append(self.pace.report(self.size).to(items.device))
+        if checking:
+            parts.append(self.copies.report(self.seat_rank, self.size).to(items.device))
         began = time.perf_counter()
-        summed = self.group.sum(torch.cat([items.reshape(1).double(), self.pace.report(self.size).to(items.device)]))
+        summed = self.group.sum(torch.cat(parts))
         self.counted = (began, time.perf_counter())
-        self.pace.received(summed[1:])
+        paced = 2 * self.size if self.pace is not None else 0
+        if self.pace is not None:
+            self.pace.received(summed[1 : 1 + paced])
+        if checking:
+            self.check(summed[1 + paced :])
         return summed[0].to(items.dtype)
+
+    def check(self, summed: torch.Tensor) -> None:
+        """The groups' copies of the state compared (infra.replicas.copies): apart, this try fails to commit in every
+        group, and `not_committed` mends it."""
+        self.found = self.copies.received(summed)
+        self.trainer.watch.log(dict(self.copies.counts), step=self.trainer.state.step)
+        if self.found:
+            who = ", ".join(f"group {g}{' (this one)' if g == self.seat_rank else ''}" for g in self.found)
+            line = f"sdc: the replica groups' copies of the state disagree at step {self.trainer.state.step}: {who} apart"
+            self.say(line + ("" if len(self.found) < self.size else " (no majority: which is wrong cannot be told)"))
+            self.group.fail(line)
 
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager:
         """The gradients of a group of several processes synced on the last micro-batch only, as accelerate does;
@@ -233,9 +260,16 @@ class QuorumSum:
         return self.leaving
 
     def not_committed(self, seat: Seat) -> None:
-        """A step that did not commit: with too few groups, a wait for more; else it is done again on the same samples."""
+        """A step that did not commit: with too few groups, a wait for more; else it is done again on the same samples;
+        then copies found apart are mended."""
         if self.pace is not None:
             self.pace.not_committed()
+        self.redo(seat)
+        if self.found:
+            self.mend()
+
+    def redo(self, seat: Seat) -> None:
+        """A try that did not commit, said: a wait for more groups, or the step done again."""
         if seat.size < self.args.min_replicas:  # a quorum the commit refuses (the lighthouse's min_replicas is lower)
             if not self.short:
                 live = f"{seat.size} group{'s' if seat.size > 1 else ''} live"
@@ -247,6 +281,36 @@ class QuorumSum:
         step = self.trainer.state.step + 1
         self.say(f"step {step} did not commit ({self.group.why_not()}): done again on the same samples")
         self.trainer.watch.log({"ft/steps_redone": self.redone}, step=step, again=True)
+
+    def mend(self) -> None:
+        """After copies found apart (infra.replicas.copies): the saving group sets aside its checkpoints since the last
+        agreement when it may be the wrong one; a group apart from a majority heals from a live group at the next
+        quorum (named a second time, it leaves after the next committed step); with no majority every group goes
+        back to the newest checkpoint from before."""
+        t, named, self.found = self.trainer, self.found, []
+        majority, step, agreed = len(named) < self.size, t.state.step, self.copies.agreed_at
+        suspect = self.seat_rank == 0 and (self.seat_rank in named or not majority)  # the saver may have written them wrong
+        if suspect and (moved := t.checkpoints.set_aside(agreed)):
+            self.say(f"sdc: set aside {', '.join(moved)} (written after the copies last agreed, at step {agreed})")
+        if not majority:
+            path = t.checkpoints.newest_through(agreed)
+            if path is None:
+                raise DesyncError(f"the replica groups' copies disagree at step {step} and no checkpoint of step {agreed} or before")
+            with t.watch.relaxed("the rollback"):
+                t.checkpoints.wait()
+                path, manifest = t.load_checkpoint(str(path))
+            t.went_back(manifest, repair=True)  # the groups' step set back with it (rolled_back)
+            t.shares.start()
+            self.say(f"sdc: back to {Path(path).name}; the {step - t.state.step} steps since are trained again")
+        elif self.seat_rank in named:
+            self.times_named += 1
+            if self.times_named > 1 and self.leaving is None:
+                self.say("sdc: this group's copy was apart a second time: it leaves the quorum after its next step")
+                hosts = sorted(set(t.stragglers.hosts))
+                ranks = list(range(t.accelerator.num_processes))
+                self.leaving = {"reason": "sdc", "hosts": hosts, "replica_group": self.args.replica_group_id, "ranks": ranks}
+            self.say("sdc: this group heals from a live group at the next quorum")
+            self.group.set_step(step - 1)  # behind the others: the quorum sends it their state
 
     def say(self, line: str) -> None:
         self.trainer.watch.say(f"replica group {self.args.replica_group_id}: {line}")

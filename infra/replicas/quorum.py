@@ -30,6 +30,7 @@ from accelerate.utils import DistributedType, broadcast_object_list
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
+from infra.distributed import local
 from infra.shares import Seat
 
 
@@ -50,11 +51,6 @@ def from_part(value: Any, like: torch.Tensor) -> Any:
     if not isinstance(value, Part):
         return value
     return DTensor.from_local(value.local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This process's part of `tensor` (the tensor itself unless sharded), writable in place."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def route_address(url: str) -> str:
@@ -288,6 +284,10 @@ class ReplicaGroup:
     def commit(self) -> bool:
         """Whether every group of the quorum finished this step: the optimizer steps only then."""
         return self.manager.should_commit()
+
+    def fail(self, why: str) -> None:
+        """This try must not commit, in any group of the quorum (torchft skips the step and reconfigures)."""
+        self.manager.report_error(RuntimeError(why))
 
     def why_not(self) -> str:
         """What kept the last step from committing, in a few words."""
