@@ -179,7 +179,7 @@ def named_state(accelerator: Accelerator, model, optimizer, optimizer_state: boo
 def state_bits(accelerator: Accelerator, model, optimizer) -> int:
     """The integer sum of the bits of every tensor of this process's weights and optimizer state (int64, wrapping)."""
     named = named_state(accelerator, model, optimizer)
-    return int(torch.stack([bits(t).cpu() for _, t in named]).sum()) if named else 0
+    return int(torch.stack([bits(t) for _, t in named]).sum()) if named else 0  # one copy to the host
 
 
 def disagreeing(rows: torch.Tensor) -> tuple[list[int], list[int]]:

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from infra.distributed import local
 from infra.hooks import Hooks
 
 FAULTS_ENV = "INFRA_TEST_FAULTS"
@@ -109,6 +110,7 @@ class Faults(Hooks):
         inner = getattr(model, "module", model)
         p = next(p for p in inner.parameters() if p.requires_grad)
         tensor = {"weights": p.data, "gradient": p.grad, "optimizer": optimizer.state[p]["exp_avg"] if optimizer else None}[what]
+        tensor = local(tensor)  # FSDP2: this process's own slice
         width = {2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
         bit = min(int(self.flip.get("bit", 20)), 8 * tensor.element_size() - 2)
         tensor.view(width).view(-1)[:1].bitwise_xor_(1 << bit)

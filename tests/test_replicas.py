@@ -78,7 +78,7 @@ def test_the_groups_copies_travel_exactly_in_their_slots_and_the_group_apart_is_
     from infra.replicas.copies import GroupCopies
 
     numbers = [2**63 - 5, -(2**62) - 3, 2**63 - 5]  # any int64: two exact float64 halves each
-    trainer = SimpleNamespace(state=SimpleNamespace(step=10))
+    trainer = SimpleNamespace(state=SimpleNamespace(step=10), accelerator=SimpleNamespace(num_processes=1))
     copies = GroupCopies(trainer, every=5, active=True)
     summed = torch.zeros(6, dtype=torch.float64)
     for rank, number in enumerate(numbers):  # each group's report in its slot, summed across the quorum
@@ -91,6 +91,18 @@ def test_the_groups_copies_travel_exactly_in_their_slots_and_the_group_apart_is_
     assert copies.counts == {"sdc/group_checks": 3, "sdc/group_mismatches": 2}
     trainer.state.step = 12
     assert not copies.due() and not GroupCopies(trainer, every=4, active=False).due()
+    # the int64 bit-sum of a process's whole state, as reported (weights and Adam moments; equal states, equal numbers)
+    from infra.sdc import state_bits
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    alone = SimpleNamespace(unwrap_model=lambda m: m)
+    before = state_bits(alone, model, optimizer)
+    assert isinstance(before, int) and state_bits(alone, model, optimizer) == before
+    optimizer.state[model.weight]["exp_avg"].view(torch.int32)[0, 0] ^= 1 << 3
+    assert state_bits(alone, model, optimizer) != before
 
 
 def test_equal_states_have_equal_digests_and_one_bit_changes_it():
@@ -720,9 +732,14 @@ def test_a_slow_group_gets_a_smaller_share_then_its_share_back_then_leaves_the_q
 
 @pytest.mark.slow  # 40-60 s each: CI runs the three groups' after the matrix (make test-ci-slow)
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("groups", [pytest.param(3, marks=pytest.mark.ci), 2])
-def test_a_group_whose_copy_of_the_state_goes_wrong_is_found_and_mended_and_the_run_ends_as_a_plain_one(groups, small_data, tmp_path):
-    """Replica groups of one process, a bit of the last group's weights flipped after step 7, the groups' copies
+@pytest.mark.parametrize(
+    ("groups", "config", "processes"), [pytest.param(3, "cpu.yaml", 1, marks=pytest.mark.ci), (2, "cpu.yaml", 1), (3, "fsdp.yaml", 2)]
+)
+def test_a_group_whose_copy_of_the_state_goes_wrong_is_found_and_mended_and_the_run_ends_as_a_plain_one(
+    groups, config, processes, small_data, tmp_path
+):
+    """Replica groups of one process (or of two under FSDP2: the bit flipped in process 0's slice only, so the group's
+    processes must decide together), a bit of the last group's weights flipped after step 7, the groups' copies
     compared every 5 steps and checkpoints every 5. At the try of step 11 the copies of step 10 disagree: that try
     commits nowhere. Three groups: the last is apart from the two others, heals from a live group at the next quorum,
     and every group does step 11 again. Two groups: no majority, so every group goes back to step 5 (the checkpoint
@@ -730,15 +747,18 @@ def test_a_group_whose_copy_of_the_state_goes_wrong_is_found_and_mended_and_the_
     group ends with the same state bit for bit, every committed step on a plain run's samples, each once, and the
     weights those of the plain run up to the order of the sums."""
     steps, port = 16, free_port()
-    reference = plain_run(small_data, tmp_path / "plain", steps)
+    reference = plain_run(small_data, tmp_path / "plain", steps, config, processes)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", "PYTHONUNBUFFERED": "1", "MLFLOW_TRACKING_URI": tracking_uri(tmp_path)}
-    flip = {FAULTS_ENV: json.dumps({"rank": "all", "flip": {"steps": [7], "what": "weights"}})}
+    flip = {FAULTS_ENV: json.dumps({"rank": 0, "flip": {"steps": [7], "what": "weights"}})}
 
     def command(group: int) -> tuple[list[str], dict]:
-        args = recipe_args(small_data, tmp_path / "out", steps, *COMMON, "--per_device_train_batch_size", "4")
+        args = recipe_args(small_data, tmp_path / "out", steps, *COMMON, "--per_device_train_batch_size", str(4 // processes))
         args += ["--fault_tolerance", "replicas", "--replica_group_id", str(group), "--lighthouse", f"http://127.0.0.1:{port}"]
         args += ["--min_replicas", str(groups), "--sdc_check_steps", "5", "--save_steps", "5", "--save_total_limit", "10"]
-        return [sys.executable, str(REPO / "recipes" / "pretrain_clm.py"), *args], {**env, **(flip if group == groups - 1 else {})}
+        faults = flip if group == groups - 1 else {}
+        if processes == 1:
+            return [sys.executable, str(REPO / "recipes" / "pretrain_clm.py"), *args], {**env, **faults}
+        return launch_command(config, args, tmp_path, num_processes=processes, env={**env, FSDP_ON_CPU_ENV: "1", **faults})
 
     codes, logs = local_groups(tmp_path, port, groups, command)
     assert codes == [0] * groups, "\n".join(log[-3000:] for log in logs)
@@ -755,8 +775,8 @@ def test_a_group_whose_copy_of_the_state_goes_wrong_is_found_and_mended_and_the_
         assert all("(no majority: which is wrong cannot be told)" in log for log in logs)
         assert all("sdc: back to step_00000005; the 5 steps since are trained again" in log for log in logs), logs[0][-3000:]
         assert "sdc: set aside step_00000010" in "".join(logs)
-    finals = [set(re.findall(rf"final state of step {steps} \(xxh3 (\w+)\)", log)) for log in logs]
-    assert all(final == finals[0] and len(final) == 1 for final in finals), finals
+    finals = [set(re.findall(rf"(?: process (\d+))?: final state of step {steps} \(xxh3 (\w+)\)", log)) for log in logs]
+    assert all(final == finals[0] and len(final) == processes for final in finals), finals
     assert {step: sorted(ids) for step, ids in traced_steps(tmp_path / "out").items()} == plain_steps(reference)
     ours, theirs = load_file(tmp_path / "out" / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
     assert max(float((ours[name] - theirs[name]).abs().max()) for name in theirs) < TOLERANCE

@@ -51,9 +51,16 @@ class GroupCopies:
         return sent
 
     def received(self, summed: torch.Tensor) -> list[int]:
-        """The quorum ranks of the groups whose copies differ from a majority's (every group when there is none), or []."""
+        """The quorum ranks of the groups whose copies differ from a majority's (every group when there is none), or [].
+        In a group of several processes each process's numbers (of its slice, under FSDP) are summed over the group
+        first (one small all-reduce inside it), so that every process of a group decides the same."""
         halves = summed.reshape(-1, 2).cpu().to(torch.int64)
         numbers = (halves[:, 0] << 32) | halves[:, 1]
+        acc = self.trainer.accelerator
+        if acc.num_processes > 1:
+            numbers = numbers.to(acc.device)
+            torch.distributed.all_reduce(numbers)  # wraps like the numbers themselves: equal in, equal out
+            numbers = numbers.cpu()
         self.counts["sdc/group_checks"] += 1
         ranks, _ = disagreeing(numbers.reshape(-1, 1))
         if not ranks:
