@@ -719,13 +719,15 @@ def test_a_slow_group_gets_a_smaller_share_then_its_share_back_then_leaves_the_q
     ours, theirs = load_file(tmp_path / "out" / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
     assert max(float((ours[name] - theirs[name]).abs().max()) for name in theirs) < TOLERANCE
     # group 2's own samples of each step (MLflow's ft/samples): smaller while slow, more again once fast; after it left,
-    # each of the two others half of the step
+    # the two others the whole step between them (evenly at the quorum's change; a window later their own speeds may
+    # split it 9/7: on two cores identical groups measure 1.6 to 4 ms a sample)
     own = group_metrics(tmp_path, "ft/samples")
     joined = min(own["2"])  # the first step it trained in (a group may join the first quorum late, and heal)
     slowed = [own["2"][s] for s in range(max(joined, 1) + 2 * window + 1, 21)]
     assert slowed and max(slowed) < 5, (own["2"], line)  # an even share: 5 or 6 of 16
     assert max(own["2"][s] for s in range(29, 33)) > min(slowed), own["2"]
-    assert all(own[g][s] == 8 for g in "01" for s in range(45, steps + 1)), own
+    left = int(re.search(r"2 groups live \(were 3\) from step (\d+)", logs[0])[1])  # the first step of the two
+    assert all(own["0"][s] + own["1"][s] == GLOBAL_BATCH for s in range(left, steps + 1)) and max(own["2"]) < left, own
     shares = group_metrics(tmp_path, "shares/group_0")["0"]
     assert set(shares) <= set(range(window, steps + 1, window)) and len(shares) >= 4, shares
 
