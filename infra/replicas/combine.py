@@ -104,8 +104,10 @@ class QuorumSum:
         """The first quorum; a heal from a live group, or (every group fresh) the newest checkpoint."""
         self.seat = self.join_quorum()
         if self.seat.healed_from is not None:
+            self.copies.agreed_at = self.trainer.state.step  # a live group's state
             return f"a live replica group ({self.seat.seconds:.1f}s)", {"metrics": self.trainer.latest}
         path, manifest = load()
+        self.copies.agreed_at = self.trainer.state.step  # every group of the quorum starts from this checkpoint
         self.group.set_step(self.trainer.state.step)
         # this group's own MLflow run and goodput ledger, not those of the group that saved
         return path, {k: v for k, v in manifest.items() if k not in ("mlflow_run_id", "goodput")}

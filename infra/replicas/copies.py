@@ -32,7 +32,7 @@ class GroupCopies:
 
     def __init__(self, trainer, every: int, active: bool):
         self.trainer, self.every, self.active = trainer, every, active
-        self.agreed_at = 0  # the last step at which every group's copy agreed (or the run's start)
+        self.agreed_at = 0  # the last step at which every group's copy agreed (or where this launch started)
         self.counts = {"sdc/group_checks": 0, "sdc/group_mismatches": 0}
 
     def due(self) -> bool:
