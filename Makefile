@@ -72,8 +72,11 @@ replicas: setup data  ## RECIPE as GROUPS replica groups and their lighthouse on
 doctor: setup data  ## preflight of the train job without training: devices, a collective, data checksums, a checkpoint round trip, disk, MLflow
 	$(BIN)/accelerate launch --config_file $(ACCEL_CONFIG) recipes/$(RECIPE).py --config $(RUN_CONFIG) --preflight_only true $(ARGS)
 
-test: setup  ## run the test suite (multi-process tests included, slow ones not)
-	$(BIN)/python -m pytest -m "not slow" --durations=25
+# The quick suite's tests in this many pytest processes, a file each at a time (its fixtures made once): a launch's
+# start-up keeps one core of two busy, so two at a time finish sooner (measured: 9.4 -> 6.1 min on 2 cores)
+TEST_WORKERS ?= 2
+test: setup  ## run the test suite (multi-process tests included, slow ones not; TEST_WORKERS=1 for one at a time)
+	$(BIN)/python -m pytest -m "not slow" --durations=25 $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
 test-matrix: setup  ## every pair of features in real runs (tests/test_matrix.py): print the array, then run it
 	$(BIN)/python -m tests.test_matrix

@@ -6,6 +6,7 @@ import functools
 import itertools
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -69,10 +70,25 @@ def straight(small_data, tmp_path_factory):
     return tmp, proc
 
 
+PORTS = 20000, 2000  # the first port of the blocks handed out below the kernel's ephemeral range (32768 up), and a block's size
+_next_port = itertools.count(random.randrange(PORTS[1]))
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nobody listens on, for a launch's rendezvous, from this pytest process's own block below the kernel's
+    ephemeral ports: neither another process of `pytest -n` nor an outgoing connection (which takes an ephemeral port)
+    can take it between this check and the launcher's bind, and a process never hands out the same one twice in a row."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")  # gw0, gw1, ...: pytest-xdist's processes
+    first = PORTS[0] + PORTS[1] * (int(worker[2:]) % 6)
+    for _ in range(PORTS[1]):
+        port = first + next(_next_port) % PORTS[1]
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use, or closed a moment ago
+                continue
+            return port
+    raise RuntimeError(f"no free port in {first}-{first + PORTS[1] - 1}")
 
 
 @functools.cache
