@@ -15,7 +15,9 @@ accelerate_configs/cpu.yaml), in two runs:
 - `replay`: rank 1's loss multiplied by 1000 at step 30 (a spike): that step computed again from the state before it.
   Printed: its seconds (`sdc/replay_seconds`) in steps' time.
 - what being ready to compute a step again costs at every step when nothing is suspicious (the random state copied,
-  the spike flag worked out): timed here over 2,000 steps' calls, against the `checks` run's step.
+  the spike flag worked out): timed here over 2,000 steps' calls, against the `checks` run's step;
+- the digest of a process's copy of the summed gradients that DDP's processes compare at every step (the integer sum of
+  their bits): timed here over 200 digests of the default model's gradients, against the `checks` run's step.
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ def main() -> None:
         print(f"replay: a step computed again took {seconds:.2f}s ({seconds / step:.1f} steps' time, sdc/replay_seconds)")
         ready = readiness()
         print(f"  ready at every step: {ready * 1e6:.0f} us a step ({ready / step:.4%} of step time)")
+        digest = digest_seconds(args.data_dir)
+        print(f"  the summed gradients' digest at every step (DDP): {digest * 1e6:.0f} us ({digest / step:.3%} of step time)")
 
 
 def readiness(steps: int = 2000) -> float:
@@ -95,7 +99,8 @@ def readiness(steps: int = 2000) -> float:
 
     from infra.replay import Passes, Replays
 
-    replays = Replays(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, scaler=None), "auto", 10.0, "none", Counter())
+    plain = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, scaler=None, num_processes=2)
+    replays = Replays(plain, "auto", 10.0, "none", Counter())
     passes = Passes(torch.tensor(2.5), None, torch.tensor(1.5))
     start = time.perf_counter()
     for _ in range(steps):
@@ -103,6 +108,26 @@ def readiness(steps: int = 2000) -> float:
         replays.spike(passes.loss, passes.grad_norm)
         replays.kept(passes)
     return (time.perf_counter() - start) / steps
+
+
+def digest_seconds(data_dir: str, repeats: int = 200) -> float:
+    """Seconds of one digest of the default model's gradients (infra.replay.grad_bits), on this process's CPU."""
+    import torch
+    import yaml
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from infra.replay import grad_bits
+
+    sizes = yaml.safe_load(CONFIG.read_text())
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    vocab = len(AutoTokenizer.from_pretrained(Path(data_dir) / "tokenizer"))
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", vocab_size=vocab, **{k: sizes[k] for k in keys}))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        grad_bits(model)
+    return (time.perf_counter() - start) / repeats
 
 
 if __name__ == "__main__":

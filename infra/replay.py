@@ -1,7 +1,9 @@
 """Replay: a suspicious step computed again from the state before it, to tell a machine's transient fault from the data.
 
 A step is suspicious when some process's loss or gradient norm is non-finite, or over `sdc_spike_factor` times the
-largest of the last 100 kept steps' (after 10 of them). The ranks agree on it in the step's one all-reduce
+largest of the last 100 kept steps' (after 10 of them), or, where every process holds a copy of the summed gradients
+(DDP), when their digests differ (the integer sum of their bits: any one flipped bit shows, spike or not). The ranks
+agree on it in the step's one all-reduce
 (infra.consensus), before the optimizer steps, so the state before the step is still there: the weights and
 optimizer state untouched, the samples in memory, the random state taken as the step began. Every process then zeroes
 its gradients, restores that random state and runs the step's passes again. Each process's result of each attempt
@@ -9,6 +11,8 @@ its gradients, restores that random state and runs the step's passes again. Each
 of its gradients as summed across processes, the engine's all-reduce or its shard of it; whether the step looked
 suspicious there) is gathered once, and judged:
 
+- copies of the summed gradients apart again: a machine that computes wrong every time: the processes apart from the
+  others named (two processes: both);
 - suspicious again on some process: the step is what the data and the model give, not the machine: a non-finite step
   goes to the non-finite guard as before (skipped, or rolled back past the data), a spike is kept;
 - no longer suspicious: a transient fault, named where it shows: a process whose loss changed (by more than 1e-3 of
@@ -36,7 +40,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from infra.distributed import local
-from infra.sdc import bits
+from infra.sdc import bits, copies_of, disagreeing
 
 HISTORY = 100  # kept steps whose largest loss and gradient norm a spike is measured against
 WARMUP = 10  # kept steps before spikes are looked for
@@ -107,6 +111,8 @@ class Replays:
     def __init__(self, accelerator: Accelerator, replay: str, factor: float, fault_tolerance: str, named: Counter):
         self.accelerator, self.factor, self.named = accelerator, factor, named
         self.active = replay == "on" or (replay == "auto" and cannot_replay(accelerator, fault_tolerance) is None)
+        # DDP: every process's copy of the summed gradients is the same (DeepSpeed's and FSDP's are shards)
+        self.copies = self.active and accelerator.distributed_type != DistributedType.DEEPSPEED and copies_of(accelerator) is not None
         self.fp16 = accelerator.scaler is not None  # its loss scaler's overflows are no spikes: the gradient norm not looked at
         self.losses: deque[float] = deque(maxlen=HISTORY)
         self.norms: deque[float] = deque(maxlen=HISTORY)
@@ -136,13 +142,18 @@ class Replays:
             flag = flag | (torch.as_tensor(grad_norm, device=loss.device).float() > self.factor * max(self.norms))
         return flag.float().reshape(())
 
+    def digest(self, model: torch.nn.Module) -> torch.Tensor | None:
+        """This process's digest of its copy of the summed gradients, for the step's agreement (left on the device), or
+        None where the processes hold no copies of them."""
+        return grad_bits(model) if self.copies else None
+
     def suspect(self, passes: Passes, nonfinite: torch.Tensor) -> torch.Tensor:
         """This process's own view of a step the ranks agreed to compute again: non-finite or spiking here (0-dim)."""
         spike = self.spike(passes.loss, passes.grad_norm)
         return nonfinite if spike is None else torch.maximum(nonfinite, spike.to(nonfinite.device))
 
-    def due(self, nonfinite: bool, spike: bool) -> bool:
-        return self.active and (nonfinite or spike)
+    def due(self, nonfinite: bool, spike: bool, apart: bool) -> bool:
+        return self.active and (nonfinite or spike or apart)
 
     def kept(self, passes: Passes) -> None:
         """A finite step's values (after the agreement's synchronisation: no extra wait), for the next spikes."""
@@ -169,13 +180,13 @@ class Replays:
         rows = (mine if acc.num_processes == 1 else acc.gather(mine)).cpu().tolist()
         width = len(first.flat())
         both = [(Attempt.of(row[:width]), Attempt.of(row[width:])) for row in rows]
-        named, finding = judged(both)
+        named, finding = judged(both, self.copies)
         self.counts["sdc/replays"] += 1
         self.counts["sdc/transient_faults"] += len(named)
         self.counts["sdc/replay_seconds"] += seconds
         self.named.update(named)
         self.twice = [r for r in named if self.named[r] > 1]
-        return Verdict(step, named, finding, any(again.nonfinite for _, again in both), suspicion(both))
+        return Verdict(step, named, finding, any(again.nonfinite for _, again in both), suspicion(both, self.copies))
 
 
 class Attempt(NamedTuple):
@@ -203,11 +214,17 @@ class Attempt(NamedTuple):
 LOSS_CHANGE = 1e-3  # relative: a loss that changed by less is the same loss (a GPU's kernels may differ in the last bits)
 
 
-def judged(both: list[tuple[Attempt, Attempt]]) -> tuple[list[int], str]:
-    """The processes named by their two attempts at a step (a pair a process), and the finding in words. A step still
-    suspicious when computed again is the data or the model; one that is not had a transient fault, named where it
-    shows: a process whose loss changed (its forward pass), or whose copy of the summed gradients changed while the
-    others' did not (after its passes; a process alone: its own)."""
+def judged(both: list[tuple[Attempt, Attempt]], copies: bool = False) -> tuple[list[int], str]:
+    """The processes named by their two attempts at a step (a pair a process), and the finding in words. `copies`: the
+    processes hold copies of the summed gradients (DDP), which must be the same. Copies apart again are a machine that
+    computes wrong every time; a step still suspicious when computed again is the data or the model; one that is not
+    had a transient fault, named where it shows: a process whose loss changed (its forward pass), or whose copy of the
+    summed gradients changed while the others' did not (after its passes; a process alone: its own)."""
+    if copies and (apart := apart_from_others([again.grad_bits for _, again in both])):
+        return apart, (
+            f"{ranks_of(apart)} summed other gradients than the others again, from the same state and samples: a machine "
+            "that computes wrong every time; the step computed again is kept"
+        )
     if any(again.suspect for _, again in both):
         return [], "suspicious again: the data or the model, not the machine"
     kept = "; the step computed again is kept"
@@ -233,9 +250,17 @@ def ranks_of(ranks: list[int]) -> str:
     return ", ".join(f"rank {r}" for r in ranks)
 
 
-def suspicion(both: list[tuple[Attempt, Attempt]]) -> str:
-    """The first attempt's loss and gradient norm on each process that found the step suspicious, one clause."""
+def apart_from_others(digests: list[int]) -> list[int]:
+    """The processes whose digest differs from a majority's (every process when there is none)."""
+    return disagreeing(torch.tensor(digests, dtype=torch.int64).reshape(-1, 1))[0]
+
+
+def suspicion(both: list[tuple[Attempt, Attempt]], copies: bool = False) -> str:
+    """The first attempt's loss and gradient norm on each process that found the step suspicious, and copies of the
+    summed gradients apart, one clause."""
     parts = []
+    if copies and (apart := apart_from_others([first.grad_bits for first, _ in both])):
+        parts.append(f"{ranks_of(apart)}: summed gradients apart from the others'")
     for r, (first, _) in enumerate(both):
         if first.suspect:
             parts.append(f"rank {r}: loss {first.loss:.4g}" + ("" if first.norm is None else f", gradient norm {first.norm:.4g}"))

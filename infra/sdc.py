@@ -61,7 +61,8 @@ class SdcConfig:
     sdc_replay: Literal["auto", "on", "off"] = field(
         default="auto",
         metadata={
-            "help": "Compute a suspicious step (some process's loss or gradient norm non-finite or spiking) again from the "
+            "help": "Compute a suspicious step (some process's loss or gradient norm non-finite or spiking; under DDP, the "
+            "processes' copies of the summed gradients apart) again from the "
             "state before it, with the same samples and random state, and compare each process's results: a process whose "
             "result changed had a transient fault (named; the step computed again is kept), a step suspicious again is the "
             "data or the model. auto: where the engine allows it (DDP, FSDP, one process; not DeepSpeed, nor replica groups)."

@@ -453,7 +453,7 @@ class Trainer:
         hosts = self.stragglers.hosts
         self.watch.say(f"sdc: {verdict.line()}" + "".join(f"; rank {r} is on {hosts[r]}" for r in verdict.named))
         self.watch.log(dict(self.replays.counts), step=step)
-        return passes, replace(agreed, nonfinite=verdict.nonfinite, spike=False)
+        return passes, replace(agreed, nonfinite=verdict.nonfinite, spike=False, apart=False)
 
     def backward(self, micros: list[Micro], num_items_in_batch: torch.Tensor) -> torch.Tensor:
         """The forward and backward passes of this process's micro-batches; their summed loss. With a data_mixture (whose
@@ -506,8 +506,9 @@ class Trainer:
         state = self.state
         self.watch.entering("the step agreement's all-reduce")
         loss, grad_norm = passes.loss, passes.grad_norm
-        agreed = self.consensus.agree(state.step + 1, self.guard.flag(loss, grad_norm), self.replays.spike(loss, grad_norm))
-        if self.replays.due(agreed.nonfinite, agreed.spike):
+        flags = self.guard.flag(loss, grad_norm), self.replays.spike(loss, grad_norm), self.replays.digest(self.model)
+        agreed = self.consensus.agree(state.step + 1, *flags)
+        if self.replays.due(agreed.nonfinite, agreed.spike, agreed.apart):
             passes, agreed = again(passes, agreed)
         loss, loss_sum, grad_norm = passes
         if not agreed.nonfinite:

@@ -14,6 +14,7 @@ import torch
 from accelerate.utils import DistributedType
 
 from infra.config import ConfigError
+from infra.consensus import exact_halves
 from infra.replay import WARMUP, Attempt, Passes, Replays, float_bits, judged, replay_problem, suspicion
 from infra.sdc import SDC_EXIT_CODE, SdcConfig
 from tests.test_health import run
@@ -54,8 +55,27 @@ def test_a_step_no_longer_suspicious_names_the_process_whose_result_changed_and_
     assert Attempt.of(flat) == pair((3.5, 2.0))[0] and Attempt.of(Attempt(1, 2, True, False, 1.5, None).flat()).norm is None
 
 
+def test_copies_of_the_summed_gradients_apart_name_the_process_that_changed_or_that_is_apart_again():
+    """DDP: every process's copy of the summed gradients must be the same; a digest apart makes the step suspicious."""
+    same = pair((3.5, 3.5), suspect=(False, False))
+    # rank 1's copy apart, then the same as the others': a transient fault after its passes, named
+    named, finding = judged([same, pair((3.5, 3.5), (9, 7), suspect=(False, False)), same], copies=True)
+    assert named == [1] and "rank 1 got other gradients from the same loss: a transient fault after its passes" in finding
+    assert suspicion([same, pair((3.5, 3.5), (9, 7)), same], copies=True).startswith("rank 1: summed gradients apart from the others'")
+    # apart again, from the same state and samples: a machine that computes wrong every time (two processes: both)
+    named, finding = judged([same, pair((3.5, 3.5), (9, 9), suspect=(False, False)), same], copies=True)
+    assert named == [1] and finding.startswith("rank 1 summed other gradients than the others again")
+    assert judged([same, pair((3.5, 3.5), (9, 9))], copies=True)[0] == [0, 1]
+    # without copies (FSDP's shards, one process) digests are not compared across processes
+    assert judged([same, pair((3.5, 3.5), (9, 9), suspect=(False, False))], copies=False)[0] == []
+    # the digest travels in the step's float64 MAX all-reduce as two exact halves and their negations
+    for value in (0, -1, 1, 2**63 - 1, -(2**63), 0x1234_5678_9ABC_DEF0, -0x0FED_CBA9_8765_4321):
+        high, low = (int(h) for h in exact_halves(torch.tensor(value, dtype=torch.int64)))
+        assert high * 2**32 + low == value and 0 <= low < 2**32
+
+
 def test_a_spike_is_over_factor_times_the_largest_of_the_last_kept_steps_after_a_warmup():
-    plain = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, scaler=None)
+    plain = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, scaler=None, num_processes=2)
     replays = Replays(plain, "auto", 10.0, "none", Counter())
     t = torch.tensor
     assert replays.active and replays.spike(t(1e6), t(1e6)) is None  # nothing to measure against yet
@@ -66,15 +86,20 @@ def test_a_spike_is_over_factor_times_the_largest_of_the_last_kept_steps_after_a
     replays.kept(Passes(t(float("nan")), None, t(float("inf"))))  # a non-finite step's values are not kept
     assert replays.spike(t(1.0), t(20.1)) == 1
     # fp16: the loss scaler's overflows give infinite norms that are no spike; the loss is still looked at
-    fp16 = Replays(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, scaler=object()), "auto", 10.0, "none", Counter())
+    scaled = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, scaler=object(), num_processes=2)
+    fp16 = Replays(scaled, "auto", 10.0, "none", Counter())
     for _ in range(WARMUP):
         fp16.kept(Passes(t(2.0), None, t(1.0)))
     assert fp16.spike(t(1.0), t(float("inf"))) == 0 and fp16.spike(t(30.0), t(1.0)) == 1
     assert Replays(plain, "auto", 0.0, "none", Counter()).spike(t(1e9), t(1e9)) is None  # factor 0: no spike check
     # where a step cannot be computed again: auto is off, `on` refused in one line
-    deepspeed = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, scaler=None)
+    deepspeed = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, scaler=None, num_processes=2)
     assert not Replays(deepspeed, "auto", 10.0, "none", Counter()).active
     assert not Replays(plain, "auto", 10.0, "replicas", Counter()).active
+    # DDP's processes hold copies of the summed gradients, compared at each step; DeepSpeed's and one process's not
+    assert Replays(plain, "auto", 10.0, "none", Counter()).copies and not Replays(deepspeed, "on", 10.0, "none", Counter()).copies
+    alone = SimpleNamespace(distributed_type=DistributedType.NO, scaler=None, num_processes=1)
+    assert Replays(alone, "auto", 10.0, "none", Counter()).active and not Replays(alone, "auto", 10.0, "none", Counter()).copies
     assert replay_problem(deepspeed, "on", "none") == (
         "sdc_replay='on' is not valid under DeepSpeed, whose engine steps the optimizer inside the backward pass (the state "
         "before the step is gone); expected auto or off"
@@ -100,21 +125,24 @@ def clean(small_data, tmp_path_factory):
 @pytest.mark.slow  # 35 s: out of the quick suite; CI runs it after the matrix (make test-ci-slow)
 @pytest.mark.ci
 def test_transient_faults_are_computed_again_named_and_kept_out_and_a_second_stops_the_run(clean, small_data, tmp_path):
-    """Rank 1 of three: an exponent bit of its copy of the summed gradient flipped at step 12 (its gradient norm
-    explodes), then its loss multiplied by 1000 at step 16 (a forward pass that miscomputes). Step 12 is computed again
+    """Rank 1 of three: a mantissa bit of its copy of the summed gradient flipped at step 12 (no spike: its digest apart
+    from the others' copies of the same sum makes the step suspicious), then its loss multiplied by 1000 at step 16 (a
+    forward pass that miscomputes: a spike). Step 12 is computed again
     from the state before it: rank 1 named (its gradients changed, the others' did not), the second attempt kept, so the
     checkpoint of step 15 is the clean run's bit for bit, with the clean run's samples. Step 16: computed again, rank 1
     named for its loss, a second time: the run saves step 16 (computed again: sound) and stops with 77, stopped.json
     naming rank 1 and its host."""
     out = tmp_path / "out"
-    faults = {"rank": 1, "flip": {"steps": [12], "what": "gradient", "bit": 30}, "scale_loss": {"steps": [16], "by": 1000}}
+    faults = {"rank": 1, "flip": {"steps": [12], "what": "gradient", "bit": 20}, "scale_loss": {"steps": [16], "by": 1000}}
     proc = run(recipe_args(small_data, out, 20, *REPLAY), tmp_path, faults, num_processes=3, launcher=LAUNCH)
     assert proc.returncode == SDC_EXIT_CODE, proc.stderr[-3000:]
     host = socket.gethostname()
     lines = [line for line in proc.stdout.splitlines() if "computed again from the state before it" in line and "rank 1 is on" in line]
     assert len(lines) == 2, proc.stdout[-3000:]
-    assert lines[0].startswith("sdc: step 12 computed again from the state before it (rank 1: loss ")
-    assert "rank 1 got other gradients from the same loss: a transient fault after its passes; the step computed again is kept" in lines[0]
+    assert lines[0].startswith(
+        "sdc: step 12 computed again from the state before it (rank 1: summed gradients apart from the others'): rank 1 got "
+        "other gradients from the same loss: a transient fault after its passes; the step computed again is kept"
+    ), lines[0]
     assert lines[0].endswith(f"; rank 1 is on {host}")
     # every process saw the spike of step 16 in the summed gradients; rank 1 alone its own loss of 1000 times more
     assert lines[1].startswith("sdc: step 16 computed again from the state before it (rank 0: loss ") and "; rank 1: loss 5" in lines[1]

@@ -128,12 +128,13 @@ def test_a_flipped_bit_is_caught_never_committed_and_repaired_bit_for_bit(config
 @pytest.mark.slow  # 30 s: out of the quick suite; CI runs it after the matrix (make test-ci-slow)
 @pytest.mark.ci
 def test_a_process_that_computes_wrong_twice_stops_the_run_at_its_newest_sound_checkpoint(clean, small_data, tmp_path):
-    """Rank 1's gradient flipped before the update of step 7 (repaired from step 5), then of step 12: named a second
+    """Rank 1's weights flipped after the update of step 7 (repaired from step 5), then of step 12: named a second
     time at the check of step 15, the run stops at step 10, its newest checkpoint (the clean run's), with exit code 77
-    and stopped.json naming rank 1, its host and the tensors."""
+    and stopped.json naming rank 1, its host and the tensors. (A flip in its copy of the summed gradients is caught at
+    its own step: tests/test_replay.py.)"""
     reference = clean("cpu.yaml")
     out = tmp_path / "out"
-    faults = {"rank": 1, "flip": {"steps": [7, 12], "what": "gradient"}}
+    faults = {"rank": 1, "flip": {"steps": [7, 12], "what": "weights"}}
     proc = run(recipe_args(small_data, out, 20, *SDC, "--report_to", "none"), tmp_path, faults, num_processes=3, launcher=LAUNCH)
     assert proc.returncode == SDC_EXIT_CODE, proc.stderr[-3000:]
     assert "sdc: repaired: back to step_00000005" in proc.stdout
