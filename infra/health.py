@@ -173,11 +173,25 @@ class StragglerDetector:
         self._data = 0.0
         self._samples = 0
         self._steps = 0
+        self.timing = True
+
+    @contextlib.contextmanager
+    def untimed(self) -> Iterator[None]:
+        """Passes that are not this rank's pace left out of its times: a step computed again (infra.replay) would count
+        its forwards twice against its samples once."""
+        self.timing = False
+        try:
+            yield
+        finally:
+            self.timing = True
 
     @contextlib.contextmanager
     def compute(self) -> Iterator[None]:
         """Time the enclosed forward pass (CUDA events on a GPU: no synchronisation in the loop); under ZeRO-3 and FSDP
-        its parameter gathers are timed apart (GatherWaits) and left out at the window's end."""
+        its parameter gathers are timed apart (GatherWaits) and left out at the window's end. Nothing under `untimed`."""
+        if not self.timing:
+            yield
+            return
         if self.gathers is not None:
             self.gathers.active = True
         try:

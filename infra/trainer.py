@@ -447,7 +447,8 @@ class Trainer:
             self.metrics.end_step(keep=False)  # the first attempt's recipe metrics
             self.optimizer.zero_grad(set_to_none=True)
             self.replays.restore(before)
-            passes = self.passes(micros, items)
+            with self.stragglers.untimed():
+                passes = self.passes(micros, items)
             again = self.replays.attempt(passes, self.model, self.guard.flag(passes.loss, passes.grad_norm))
             verdict = self.replays.judge(step, tried, again, time.perf_counter() - started)
         hosts = self.stragglers.hosts

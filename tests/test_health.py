@@ -414,6 +414,27 @@ def test_a_disk_that_fills_during_a_save_stops_the_run_with_every_committed_chec
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
+def test_a_step_computed_again_is_not_timed_twice():
+    """The straggler detector's window: a rank's samples and seconds a micro-batch; the passes of a step computed again
+    (infra.replay) are left out, or the rank would read as twice as many micro-batches of half the samples."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from infra.health import StragglerDetector
+
+    plain = SimpleNamespace(distributed_type=DistributedType.NO, state=SimpleNamespace(deepspeed_plugin=None))
+    accelerator = SimpleNamespace(device=torch.device("cpu"), num_processes=1, gather=lambda t: t, **vars(plain))
+    detector = StragglerDetector(accelerator, torch.nn.Linear(2, 2), ["h0"], window=1, factor=1.5, patience=3)
+    detector.waited(0.0, 4)  # a step of one micro-batch of 4 samples
+    with detector.compute():
+        time.sleep(0.02)
+    with detector.untimed(), detector.compute():  # the same micro-batch computed again
+        time.sleep(0.2)
+    window = detector.step()
+    assert window.sizes == [4.0] and 3 * 0.02 <= window.seconds[0] < 3 * 0.2
+
+
 def test_the_gathers_before_a_forward_are_timed_apart_from_it():
     """GatherWaits (ZeRO-3, FSDP): the time in a module's forward pre-hooks, where those engines gather its parameters
     (FSDP2 puts its hook first, DeepSpeed after any others), is counted while a forward is timed, and the module's own
