@@ -19,6 +19,7 @@ from accelerate import Accelerator
 
 from infra.checkpoint.clock import SaveClock
 from infra.preemption import Preemption
+from infra.sdc import exact_halves
 
 
 @dataclass(frozen=True)
@@ -62,9 +63,3 @@ class StepConsensus:
             spike=values[3] > 0,
             apart=values[4] != -values[6] or values[5] != -values[7],  # some rank's half over another's
         )
-
-
-def exact_halves(value: torch.Tensor) -> torch.Tensor:
-    """An int64 (0-dim) as its high and low 32 bits, each exact in a float64: [high (signed), low (0 to 2**32 - 1)]."""
-    value = value.reshape(())
-    return torch.stack([torch.div(value, 1 << 32, rounding_mode="floor"), torch.remainder(value, 1 << 32)]).to(torch.float64)

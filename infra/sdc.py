@@ -183,6 +183,19 @@ def state_bits(accelerator: Accelerator, model, optimizer) -> int:
     return int(torch.stack([bits(t) for _, t in named]).sum()) if named else 0  # one copy to the host
 
 
+def exact_halves(value: torch.Tensor) -> torch.Tensor:
+    """An int64 (0-dim) as float64 [high 32 bits (signed), low 32 bits (0 to 2**32 - 1)]: each exact, also in a sum
+    across processes where the others send zeros (a slot); `whole` reads them back."""
+    value = value.reshape(())
+    return torch.stack([torch.div(value, 1 << 32, rounding_mode="floor"), torch.remainder(value, 1 << 32)]).to(torch.float64)
+
+
+def whole(halves: torch.Tensor) -> torch.Tensor:
+    """The int64s of float64 halves (the last dimension, 2) as `exact_halves` made them."""
+    h = halves.to(torch.int64)
+    return (h[..., 0] << 32) | h[..., 1]
+
+
 def disagreeing(rows: torch.Tensor) -> tuple[list[int], list[int]]:
     """Of the processes' numbers (a row a process, a column a tensor): the processes that differ from a majority in some
     column (every process of a column with no majority: two copies cannot tell which is wrong), and those columns."""

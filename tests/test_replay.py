@@ -14,9 +14,8 @@ import torch
 from accelerate.utils import DistributedType
 
 from infra.config import ConfigError
-from infra.consensus import exact_halves
 from infra.replay import WARMUP, Attempt, Passes, Replays, float_bits, judged, replay_problem, suspicion
-from infra.sdc import SDC_EXIT_CODE, SdcConfig
+from infra.sdc import SDC_EXIT_CODE, SdcConfig, exact_halves, whole
 from tests.test_health import run
 from tests.test_pretrain import assert_same_weights, global_sequence, recipe_args
 from tests.test_sdc import model_digests
@@ -70,8 +69,9 @@ def test_copies_of_the_summed_gradients_apart_name_the_process_that_changed_or_t
     assert judged([same, pair((3.5, 3.5), (9, 9), suspect=(False, False))], copies=False)[0] == []
     # the digest travels in the step's float64 MAX all-reduce as two exact halves and their negations
     for value in (0, -1, 1, 2**63 - 1, -(2**63), 0x1234_5678_9ABC_DEF0, -0x0FED_CBA9_8765_4321):
-        high, low = (int(h) for h in exact_halves(torch.tensor(value, dtype=torch.int64)))
-        assert high * 2**32 + low == value and 0 <= low < 2**32
+        halves = exact_halves(torch.tensor(value, dtype=torch.int64))
+        high, low = (int(h) for h in halves)
+        assert high * 2**32 + low == value and 0 <= low < 2**32 and int(whole(halves)) == value
 
 
 def test_a_spike_is_over_factor_times_the_largest_of_the_last_kept_steps_after_a_warmup():

@@ -76,21 +76,22 @@ def test_the_groups_copies_travel_exactly_in_their_slots_and_the_group_apart_is_
     from types import SimpleNamespace
 
     from infra.replicas.copies import GroupCopies
+    from infra.sdc import exact_halves
 
     numbers = [2**63 - 5, -(2**62) - 3, 2**63 - 5]  # any int64: two exact float64 halves each
     trainer = SimpleNamespace(state=SimpleNamespace(step=10), accelerator=SimpleNamespace(num_processes=1))
-    copies = GroupCopies(trainer, every=5, active=True)
+    copies = GroupCopies(trainer, every=5, save_steps=0, active=True)
     summed = torch.zeros(6, dtype=torch.float64)
     for rank, number in enumerate(numbers):  # each group's report in its slot, summed across the quorum
-        u = number & (2**64 - 1)
-        summed[2 * rank : 2 * rank + 2] += torch.tensor([float(u >> 32), float(u & (2**32 - 1))], dtype=torch.float64)
+        summed[2 * rank : 2 * rank + 2] += exact_halves(torch.tensor(number))
     assert copies.due() and copies.received(summed) == [1] and copies.agreed_at == 0
     summed[2:4] = summed[0:2]
     assert copies.received(summed) == [] and copies.agreed_at == 10
     assert copies.received(summed[:4] + torch.tensor([0, 0, 0, 1.0], dtype=torch.float64)) == [0, 1]  # two: no majority
     assert copies.counts == {"sdc/group_checks": 3, "sdc/group_mismatches": 2}
     trainer.state.step = 12
-    assert not copies.due() and not GroupCopies(trainer, every=4, active=False).due()
+    assert not copies.due() and not GroupCopies(trainer, every=4, save_steps=0, active=False).due()
+    assert GroupCopies(trainer, every=50, save_steps=6, active=True).due()  # a step just saved is checked too
     # the int64 bit-sum of a process's whole state, as reported (weights and Adam moments; equal states, equal numbers)
     from infra.sdc import state_bits
 
@@ -735,14 +736,16 @@ def test_a_slow_group_gets_a_smaller_share_then_its_share_back_then_leaves_the_q
 @pytest.mark.slow  # 40-60 s each: CI runs the three groups' after the matrix (make test-ci-slow)
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    ("groups", "config", "processes"), [pytest.param(3, "cpu.yaml", 1, marks=pytest.mark.ci), (2, "cpu.yaml", 1), (3, "fsdp.yaml", 2)]
+    ("groups", "config", "processes", "every"),
+    [pytest.param(3, "cpu.yaml", 1, 100, marks=pytest.mark.ci), (2, "cpu.yaml", 1, 5), (3, "fsdp.yaml", 2, 5)],
 )
 def test_a_group_whose_copy_of_the_state_goes_wrong_is_found_and_mended_and_the_run_ends_as_a_plain_one(
-    groups, config, processes, small_data, tmp_path
+    groups, config, processes, every, small_data, tmp_path
 ):
     """Replica groups of one process (or of two under FSDP2: the bit flipped in process 0's slice only, so the group's
     processes must decide together), a bit of the last group's weights flipped after step 7, the groups' copies
-    compared every 5 steps and checkpoints every 5. At the try of step 11 the copies of step 10 disagree: that try
+    compared every 5 steps, or every 100 (then only because a checkpoint is written every 5: each saved step is
+    checked). At the try of step 11 the copies of step 10 disagree: that try
     commits nowhere. Three groups: the last is apart from the two others, heals from a live group at the next quorum,
     and every group does step 11 again. Two groups: no majority, so every group goes back to step 5 (the checkpoint
     of step 10, written after the copies last agreed, set aside) and trains the steps since again. Either way every
@@ -756,7 +759,7 @@ def test_a_group_whose_copy_of_the_state_goes_wrong_is_found_and_mended_and_the_
     def command(group: int) -> tuple[list[str], dict]:
         args = recipe_args(small_data, tmp_path / "out", steps, *COMMON, "--per_device_train_batch_size", str(4 // processes))
         args += ["--fault_tolerance", "replicas", "--replica_group_id", str(group), "--lighthouse", f"http://127.0.0.1:{port}"]
-        args += ["--min_replicas", str(groups), "--sdc_check_steps", "5", "--save_steps", "5", "--save_total_limit", "10"]
+        args += ["--min_replicas", str(groups), "--sdc_check_steps", str(every), "--save_steps", "5", "--save_total_limit", "10"]
         faults = flip if group == groups - 1 else {}
         if processes == 1:
             return [sys.executable, str(REPO / "recipes" / "pretrain_clm.py"), *args], {**env, **faults}

@@ -60,7 +60,8 @@ class QuorumSum:
         trainer.watch.watchdog.floor = 2 * trainer.args.replica_timeout_seconds + SILENT_AFTER
         if trainer.args.straggler_action == "rebalance":
             self.pace = GroupPace(trainer.args, trainer.accelerator.num_processes)
-        self.copies = GroupCopies(trainer, trainer.args.sdc_check_steps, trainer.args.sdc_action != "off")
+        args = trainer.args
+        self.copies = GroupCopies(trainer, args.sdc_check_steps, args.save_steps, args.sdc_action != "off")
 
     @property
     def saves(self) -> bool:

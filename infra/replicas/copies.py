@@ -2,7 +2,8 @@
 its part under FSDP, the same part as process k of every other group), so the groups' copies are compared as the
 processes' copies are inside a job (infra.sdc).
 
-When: at every `sdc_check_steps` step, in the next try's one sum across the quorum (the item count's, infra.replicas.
+When: at every `sdc_check_steps` step and every `save_steps` step (the state the saving group has just written is
+checked before the next step commits), in the next try's one sum across the quorum (the item count's, infra.replicas.
 combine): each process sends the integer sum of the bits of its weights and optimizer state (infra.sdc.state_bits) in
 its group's slot (two float64 halves: exact), so every group gets every group's number in the same sum, and the same
 decision comes out everywhere. No other collective, and nothing between a commit and the next quorum.
@@ -24,38 +25,37 @@ from __future__ import annotations
 
 import torch
 
-from infra.sdc import disagreeing, state_bits
+from infra.sdc import disagreeing, exact_halves, state_bits, whole
 
 
 class GroupCopies:
     """This group's side of the comparison: what it sends, what it makes of the sum."""
 
-    def __init__(self, trainer, every: int, active: bool):
-        self.trainer, self.every, self.active = trainer, every, active
+    def __init__(self, trainer, every: int, save_steps: int, active: bool):
+        self.trainer, self.every, self.save_steps, self.active = trainer, every, save_steps, active
         self.agreed_at = 0  # the last step at which every group's copy agreed (or where this launch started)
         self.counts = {"sdc/group_checks": 0, "sdc/group_mismatches": 0}
 
     def due(self) -> bool:
-        """Whether the coming try's sum carries the groups' numbers: the state of a step at the interval (the same step,
-        and so the same answer, in every group of the quorum)."""
+        """Whether the coming try's sum carries the groups' numbers: the state of a step at the interval or of a step
+        saved by save_steps (the same step, and so the same answer, in every group of the quorum)."""
         step = self.trainer.state.step
-        return self.active and step > 0 and step % self.every == 0
+        saved = self.save_steps > 0 and step % self.save_steps == 0
+        return self.active and step > 0 and (step % self.every == 0 or saved)
 
     def report(self, rank: int, size: int) -> torch.Tensor:
         """This process's number in its group's slot of `size` (two float64 halves, exact in any sum of one)."""
         t = self.trainer
-        number = state_bits(t.accelerator, t.model, t.optimizer) & (2**64 - 1)
+        number = torch.tensor(state_bits(t.accelerator, t.model, t.optimizer), dtype=torch.int64)
         sent = torch.zeros(2 * size, dtype=torch.float64)
-        sent[2 * rank] = float(number >> 32)
-        sent[2 * rank + 1] = float(number & (2**32 - 1))
+        sent[2 * rank : 2 * rank + 2] = exact_halves(number)
         return sent
 
     def received(self, summed: torch.Tensor) -> list[int]:
         """The quorum ranks of the groups whose copies differ from a majority's (every group when there is none), or [].
         In a group of several processes each process's numbers (of its slice, under FSDP) are summed over the group
         first (one small all-reduce inside it), so that every process of a group decides the same."""
-        halves = summed.reshape(-1, 2).cpu().to(torch.int64)
-        numbers = (halves[:, 0] << 32) | halves[:, 1]
+        numbers = whole(summed.reshape(-1, 2).cpu())
         acc = self.trainer.accelerator
         if acc.num_processes > 1:
             numbers = numbers.to(acc.device)
