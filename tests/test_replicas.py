@@ -537,7 +537,9 @@ def test_a_hot_spare_takes_a_lost_groups_share_at_the_next_step_with_no_heal(pla
     assert max(differences.values()) < TOLERANCE, differences
     finals = set(re.findall(r"final state of step \d+ \(xxh3 (\w+)\)", "".join(logs.values())))
     assert len(finals) == 1 and sum(text.count("final state") for text in logs.values()) == 3, finals
-    assert "healed" not in logs[1] + logs[2]  # the spare took its share as it was: in step with the others
+    # the spare took its share as it was, in step with the others: no heal after the kill (a group that joined the first
+    # quorum late healed at the start: the lighthouse forms it from the groups heartbeating by then, as it should)
+    assert "healed" not in logs[1][mark[1] :] + logs[2][mark[2] :]
     assert took < 10, took
     # every group's run in the test's store (three starting at once on a new store once sent one to the fallback store)
     assert [g for g, text in logs.items() if "unreachable" in text] == [], logs
