@@ -543,14 +543,20 @@ def test_a_hot_spare_takes_a_lost_groups_share_at_the_next_step_with_no_heal(pla
     assert took < 10, took
     # every group's run in the test's store (three starting at once on a new store once sent one to the fallback store)
     assert [g for g, text in logs.items() if "unreachable" in text] == [], logs
-    # each group's own samples of each step (MLflow's ft/samples), by the quorum group 1 saw (it ran to the end, so
-    # every point of it reached the store; the killed group's last ones may not have): the spare none while both others
-    # trained, half the step in group 0's place, none again once group 0 was back (first in the quorum's order)
-    own, live = group_metrics(tmp_path, "ft/samples"), group_metrics(tmp_path, "ft/replicas")["1"]
-    half = GLOBAL_BATCH / 2
-    away = [step for step, size in live.items() if size == 2]
-    assert sorted(own) == ["0", "1", "2"] and list(live) == list(range(1, STEPS + 1)) and set(live.values()) == {2, 3}
-    assert all(own["1"][step] == half and own["2"][step] == (half if step in away else 0) for step in live), own
+    # each group's own samples of each step (MLflow's ft/samples), by the quorums groups 1 and 2 saw (they ran to the end,
+    # so every point of theirs reached the store; the killed group's last ones may not have; a group that healed at the
+    # start has none of the steps before, which the groups there first trained, one or two): from the first quorum of all
+    # three, the spare none while both others trained, half the step in group 0's place, none again once group 0 was
+    # back (first in the quorum's order)
+    own, quorums = group_metrics(tmp_path, "ft/samples"), group_metrics(tmp_path, "ft/replicas")
+    live = {step: size for g in ("2", "1") for step, size in quorums[g].items()}
+    assert all(live[step] == size for g in ("1", "2") for step, size in quorums[g].items()), quorums
+    assert sorted(own) == ["0", "1", "2"] and sorted(live) == list(range(1, STEPS + 1))
+    start = min(step for step, size in live.items() if size == 3)
+    half, trained = GLOBAL_BATCH / 2, range(start, STEPS + 1)
+    away = [step for step in trained if live[step] == 2]
+    assert {live[step] for step in trained} == {2, 3}, live
+    assert start <= 3 and all(own["1"][step] == half and own["2"][step] == (half if step in away else 0) for step in trained), own
     assert away and set(own["0"].values()) == {half} and not set(own["0"]) & set(away)
 
 
