@@ -7,14 +7,19 @@ Hosts made of network namespaces (tests/hosts.py), each with a CPU cgroup of its
 this machine's cores (70% of them split evenly: each host's speed is then its quota's, not what the others leave it),
 one process a host (multi_node.yaml through `python -m infra.launch`, DDP over gloo), the default pretraining in fp32
 with one thread a process, micro-batches of 8 samples a process. Host 1 is the slow one: held to half its share for
-the whole run. Four arms, each a fresh job:
+the whole run, or its disk slow. Seven arms, each a fresh job:
 
 - `free`: no host slowed (straggler_action: warn, today's default);
 - `free+rebalance`: no host slowed, straggler_action: rebalance (what rebalancing costs when nothing is slow);
 - `slow`: host 1 at half its share, straggler_action: warn (every step waits for it);
-- `slow+rebalance`: the same with straggler_action: rebalance.
+- `slow+rebalance`: the same with straggler_action: rebalance;
+- `disk`: host 1's reads `--disk_ms` slower a sample (the test hooks' slow_reads: a sleep where the loader reads, as a
+  read waiting on its storage; the benchmark's data stays in the page cache), straggler_action: warn;
+- `disk+shares`: the same, rebalanced by the shares alone (straggler_read_ahead: false);
+- `disk+rebalance`: the same, rebalanced: the shares, and host 1 reading two steps ahead in a thread.
 
-The ideal is the sum of the hosts' speeds: `free` x (n - 1/2) / n. A run's throughput is its global batch over the
+The ideal is the sum of the hosts' speeds: `free` x (n - 1/2) / n with a slow CPU; `free` with a slow disk whose reads
+take less than a step's compute, which reading ahead can hide. A run's throughput is its global batch over the
 median of its `perf/step_time` windows after the first third of the run (where the shares have settled: windows of
 `--window` steps). Printed: each arm's throughput and its ratio to `free` and to the ideal; the shares the rebalanced
 run settled on; a PNG of each rebalanced run's shares over its steps (shares/rank_i). Targets: one of 2 hosts slow,
@@ -25,6 +30,8 @@ slow, rebalancing costs <= 1%.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import statistics
 import sys
@@ -35,9 +42,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from infra.testing import FAULTS_ENV  # noqa: E402
 from tests.hosts import Hosts  # noqa: E402
 
-ARMS = ("free", "free+rebalance", "slow", "slow+rebalance")
+TITLES = {"free": "no host slowed", "slow": "host 1 at half its CPU share", "disk": "host 1's disk slow"}
+ARMS = ("free", "free+rebalance", "slow", "slow+rebalance", "disk", "disk+shares", "disk+rebalance")
 MICRO_BATCH = 8
 PORT = 29500
 # the machine's cores the hosts hold in all: below 1, so that each host's speed is its quota's, not what the others
@@ -45,13 +54,16 @@ PORT = 29500
 HOST_SHARE = 0.7
 
 
-def run(n: int, arm: str, steps: int, window: int, data: str, work: Path) -> dict:
+def run(n: int, arm: str, steps: int, window: int, data: str, work: Path, disk_ms: float) -> dict:
     """One arm: a fresh n-host job; its throughput (samples/s) and, rebalanced, its shares by step."""
     work.mkdir(parents=True, exist_ok=True)
     out, db = work / f"{n}_{arm}", f"sqlite:///{work / f'{n}_{arm}.db'}"
     share = HOST_SHARE * (os.cpu_count() or 1) / n
     env = {**os.environ, "MLFLOW_TRACKING_URI": db, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    action = "rebalance" if arm.endswith("rebalance") else "warn"
+    if arm.startswith("disk"):  # host 1's reads slower, for the whole run
+        env[FAULTS_ENV] = json.dumps({"rank": 1, "slow_reads": [[disk_ms / 1000, 0, 1 << 30]]})
+    action = "rebalance" if arm.endswith(("rebalance", "shares")) else "warn"
+    read_ahead = "false" if arm.endswith("shares") else "true"
     with Hosts(n, cpus=share) as hosts:
         if arm.startswith("slow"):
             hosts.set_cpus(1, share / 2)
@@ -67,7 +79,7 @@ def run(n: int, arm: str, steps: int, window: int, data: str, work: Path) -> dic
                 "--data_dir", data, "--output_dir", str(out), "--max_steps", str(steps),
                 "--mixed_precision", "no", "--preflight", "false", "--eval_samples", "0", "--save_steps", "0",
                 "--per_device_train_batch_size", str(MICRO_BATCH), "--logging_steps", str(window),
-                "--straggler_window_steps", str(window), "--straggler_action", action,
+                "--straggler_window_steps", str(window), "--straggler_action", action, "--straggler_read_ahead", read_ahead,
             ]  # fmt: skip
             procs.append(hosts.popen(rank, cmd, env, work / f"{n}_{arm}_h{rank}.log", cwd=REPO))
         for rank, proc in enumerate(procs):
@@ -97,14 +109,13 @@ def plot(results: dict[int, dict[str, dict]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(n, arm) for n, arms in results.items() for arm in arms if arm.endswith("rebalance")]
+    panels = [(n, arm) for n, arms in results.items() for arm in arms if arm.endswith(("rebalance", "shares"))]
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 3.5), squeeze=False)
     for ax, (n, arm) in zip(axes[0], panels, strict=True):
         for rank, points in results[n][arm]["shares"].items():
-            label = f"rank {rank}" + (" (slow host)" if rank == 1 and arm.startswith("slow") else "")
+            label = f"rank {rank}" + (" (slow host)" if rank == 1 and not arm.startswith("free") else "")
             ax.plot([s for s, _ in points], [v for _, v in points], label=label)
-        slow = "host 1 at half its CPU share" if arm.startswith("slow") else "no host slowed"
-        ax.set(title=f"{n} hosts, {slow}", xlabel="step", ylabel="samples of a micro-step")
+        ax.set(title=f"{n} hosts, {TITLES[arm.split('+')[0]]}, {arm}", xlabel="step", ylabel="samples of a micro-step")
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -115,11 +126,13 @@ def main() -> None:
     parser.add_argument("--hosts", type=int, nargs="+", default=[2, 4], help="Host counts to run (each >= 2).")
     parser.add_argument("--steps", type=int, default=160, help="Steps of each arm's job.")
     parser.add_argument("--window", type=int, default=10, help="straggler_window_steps (and logging_steps) of every arm.")
+    parser.add_argument("--disk_ms", type=float, default=25.0, help="How much slower host 1 reads a sample in the disk arms.")
     parser.add_argument("--data_dir", default=str(REPO / "data" / "stdlib"))
     parser.add_argument("--png", default=str(REPO / "docs" / "stragglers.png"), help="Where the plot of the shares goes.")
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS), help="Arms to run, in this order (free is the anchor).")
     parser.add_argument("--repeats", type=int, default=1, help="Runs of every arm (the median is taken), the order turned round each time.")
     parser.add_argument("--if_possible", action="store_true", help="Where hosts cannot be made (not root), say why and exit 0.")
+    parser.add_argument("--keep", default="", help="A folder to keep every job's logs and output in (default: a temporary one, removed).")
     a = parser.parse_args()
     if why := Hosts.unavailable(cpus=True):
         if a.if_possible:
@@ -128,6 +141,8 @@ def main() -> None:
         raise SystemExit(f"stragglers: {why}")
     if not (Path(a.data_dir) / "index.json").is_file():
         raise SystemExit(f"stragglers: data_dir={a.data_dir} holds no prepared data: run `make data` first")
+    if a.disk_ms <= 0:
+        raise SystemExit(f"stragglers: --disk_ms {a.disk_ms:g} is not accepted: give milliseconds > 0")
     if a.repeats < 1 or a.steps < 3 * a.window:
         raise SystemExit(f"stragglers: --repeats {a.repeats} --steps {a.steps} is not accepted: give repeats >= 1, steps >= 3 windows")
     if "free" not in a.arms:
@@ -137,27 +152,29 @@ def main() -> None:
     from infra.precision import cpu_description
 
     results: dict[int, dict[str, dict]] = {}
-    with tempfile.TemporaryDirectory(prefix="stragglers-") as tmp:
+    with contextlib.nullcontext(a.keep) if a.keep else tempfile.TemporaryDirectory(prefix="stragglers-") as tmp:
         for n in a.hosts:
             runs: dict[str, list[dict]] = {arm: [] for arm in a.arms}
             for repeat in range(a.repeats):  # the order turned round each time: a drift of the machine falls on every arm
                 for arm in a.arms if repeat % 2 == 0 else a.arms[::-1]:
                     began = time.monotonic()
-                    runs[arm].append(run(n, arm, a.steps, a.window, a.data_dir, Path(tmp) / str(repeat)))
+                    runs[arm].append(run(n, arm, a.steps, a.window, a.data_dir, Path(tmp) / str(repeat), a.disk_ms))
                     took = time.monotonic() - began
                     print(f"{n} hosts, {arm}: {runs[arm][-1]['throughput']:.1f} samples/s ({took:.0f} s)", flush=True)
             results[n] = {arm: median_run(each) for arm, each in runs.items()}
     print(f"\nCPU: {cpu_description()}; {a.steps} steps an arm, windows of {a.window} steps, micro-batches of {MICRO_BATCH}")
     for n, arms in results.items():
         free = arms["free"]["throughput"]
-        ideal = free * (n - 0.5) / n
-        print(f"{n} hosts (each {HOST_SHARE * (os.cpu_count() or 1) / n:.2f} cores; host 1 at half): ideal {ideal / free:.3f} of free")
+        ideals = {"free": free, "slow": free * (n - 0.5) / n, "disk": free}
+        cores = HOST_SHARE * (os.cpu_count() or 1) / n
+        slowed = f"host 1 at half, or reading {a.disk_ms:g} ms a sample slower"
+        print(f"{n} hosts (each {cores:.2f} cores; {slowed}): the ideal {ideals['slow'] / free:.3f} of free, of a slow disk 1")
         for arm, measured in arms.items():
-            t = measured["throughput"]
+            t, ideal = measured["throughput"], ideals[arm.split("+")[0]]
             print(f"  {arm:<15} {t:8.1f} samples/s   {t / free:.3f} of free   {t / ideal:.3f} of the ideal")
             if measured["shares"]:
                 print(f"  {'':<15} shares by window (rank: samples of a micro-step): {shares_line(measured['shares'])}")
-    if any(arm.endswith("rebalance") for arm in a.arms):
+    if any(arm.endswith(("rebalance", "shares")) for arm in a.arms):
         plot(results, Path(a.png))
         print(f"shares over the run: {a.png}")
 

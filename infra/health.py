@@ -53,6 +53,13 @@ class HealthConfig:
         default=1,
         metadata={"help": "With straggler_action=rebalance, the fewest samples of a micro-step a process keeps (at most the even share)."},
     )
+    straggler_read_ahead: bool = field(
+        default=True,
+        metadata={
+            "help": "With straggler_action=rebalance, a process that waits for its data over 5% of its time (a slow disk) "
+            "reads two steps' micro-batches ahead in a thread, from then on (held in its memory)."
+        },
+    )
     straggler_leave_factor: float = field(
         default=4.0,
         metadata={
@@ -254,18 +261,21 @@ class StragglerDetector:
                     f"of {self.window} steps (forward {c:.3f}s vs {med_compute:.3f}s, data wait {d:.3f}s vs {med_data:.3f}s): {cause}"
                 )
             report = "straggler: " + "; ".join(parts)
-        return Window({f"straggler/rank_{r}": ratio for r, ratio in enumerate(ratios)}, report, slow, sizes, seconds)
+        waits = (times[:, 1] / micro).tolist()
+        return Window({f"straggler/rank_{r}": ratio for r, ratio in enumerate(ratios)}, report, slow, sizes, seconds, waits)
 
 
 class Window(NamedTuple):
     """What a straggler window found: each rank's step time over the median's (straggler/rank_i), the line naming the
-    slow ones (None: none), their ranks, and each rank's mean samples and seconds of a micro-batch."""
+    slow ones (None: none), their ranks, and each rank's mean samples and seconds of a micro-batch, and of those seconds
+    its wait for data."""
 
     ratios: dict[str, float]
     report: str | None
     slow: list[int]
     sizes: list[float]
     seconds: list[float]
+    waits: list[float]
 
 
 BACKWARD_AND_FORWARD = 3.0  # a forward and its backward, in forwards

@@ -14,7 +14,8 @@ class Hooks:
         return loss
 
     def on_read(self, samples: int) -> None:
-        """After this process read its share of a step (`samples`), inside the timed wait for data."""
+        """As this process's loader reads a batch of its share (`samples`): inside the loop's timed wait for data, or in
+        the thread that reads ahead (infra.data.ahead)."""
 
     def on_step_end(self, step: int) -> None:
         """After optimizer step `step`, before the watchdog hears of it."""

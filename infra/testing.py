@@ -11,8 +11,9 @@ The launch tests start real recipes, so the faults travel in the environment:
   micro-batch `first` through `last` since the run began (a slow process, whose time grows with its share).
   `"slow_steps": [[seconds, first, last], ...]`: the same by steps, `first` through `last` (the step after the last one
   this process ended: a replica group numbers its micro-batches by step, whatever its share).
-  `"slow_reads": [[seconds, first, last], ...]`: its reads of a step's share slower by `seconds` a sample, steps
-  `first` through `last` (a slow disk: the wait for data grows with the share).
+  `"slow_reads": [[seconds, first, last], ...]`: its loader's reads slower by `seconds` a sample while the loop is at
+  steps `first` through `last` (a slow disk: the wait for data grows with the share; a thread that reads ahead, infra.data.ahead,
+  is slowed in its place).
   `"flip": {"steps": [7], "what": "weights", "bit": 20}`: one bit of the first element of the first parameter
   (`weights`, after the update), of its first optimizer moment (`optimizer`, after the update) or of its gradient
   (`gradient`: summed across processes, before clipping) flipped, at each of those steps once in the process's life (a

@@ -53,6 +53,7 @@ from infra.combine import Combine, EngineSum
 from infra.companions import companion_parameters, prepare_companions
 from infra.consensus import Agreement, StepConsensus
 from infra.data import Data, DataArguments, SampleTrace, eval_batches
+from infra.data.ahead import deeper
 from infra.data.errors import DataError
 from infra.data.steps import EvenShares, Micro, SplitShares
 from infra.data.stream import named_parts, training_stream
@@ -181,6 +182,7 @@ class Trainer:
         optimizer = build_optimizer(job.model, args)
         self.shape = job_shape(job, args)  # before prepare shards it
         self.loader, self.cursor = build_loader(acc, job.data, data_args, args)
+        self.loader.on_read = self.hooks.on_read  # a test's slow disk, where the batches are read (a read-ahead's thread)
         self.model, self.optimizer = acc.prepare(job.model, optimizer)
         if has_frozen_parameters(acc):  # LoRA: checkpoints hold the adapter (and its optimizer state) only
             keep_trainable_only(acc)
@@ -422,7 +424,6 @@ class Trainer:
         waiting = time.perf_counter()
         taken = self.shares.take(seat, self.state.step, self.watch.trace)
         micros = [m if m.batch is None else m._replace(batch=to_device(m.batch, self.accelerator.device)) for m in taken]
-        self.hooks.on_read(sum(len(m.ids) for m in micros))
         waited = time.perf_counter() - waiting
         self.metrics.meter.waited(waited)
         self.stragglers.waited(waited, sum(len(m.ids) for m in micros))
@@ -617,6 +618,8 @@ class Trainer:
         behind = self.keeping_up.behind(self.speeds, window.sizes, window.slow)
         for rank, why in behind.items():
             self.watch.say(f"straggler: rank {rank} on {self.stragglers.hosts[rank]} cannot be kept up with: {why}; left out")
+        if self.args.straggler_read_ahead:
+            self.read_further(window)
         now = self.shares.sizes(ahead=True)
         sizes = rebalanced(now, self.speeds, self.args.straggler_min_samples, caps=self.caps)
         if sizes is not None:
@@ -630,6 +633,22 @@ class Trainer:
             now = sizes
         self.watch.log({f"shares/rank_{r}": float(size) for r, size in enumerate(now)}, step=self.state.step)
         return behind
+
+    def read_further(self, window: Window) -> None:
+        """A process that waits for its data (a slow disk) reads ahead in a thread (infra.data.ahead): the same decision on
+        every rank, from the same gathered numbers, before a change of the shares counts what the loaders read ahead."""
+        depths = deeper(self.shares.depths, window.waits, window.seconds, self.args.gradient_accumulation_steps)
+        if depths is None:
+            return
+        hosts = self.stragglers.hosts
+        for rank, (old, new) in enumerate(zip(self.shares.depths, depths, strict=True)):
+            if new != old:
+                wait, time = window.waits[rank], window.seconds[rank]
+                self.watch.say(
+                    f"read-ahead: rank {rank} on {hosts[rank]} waited {wait * 1000:.1f} ms for its data a micro-batch "
+                    f"({wait / time:.0%} of its time): its loader reads {new} micro-batches ahead from step {self.state.step + 1}"
+                )
+        self.shares.read_further(depths)
 
     def check_copies(self) -> Mismatch | None:
         """The copies of the state the processes hold identically, compared (infra.sdc); the counts logged."""
@@ -738,6 +757,7 @@ class Trainer:
         straggler exits with 75, copies that disagreed for good with 77."""
         acc, state = self.accelerator, self.state
         self.combine.close()
+        self.shares.close()
         in_job = stop is not None and stop.get("in_job", False)
         if stop is not None:
             if acc.is_main_process and not in_job:

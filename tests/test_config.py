@@ -203,6 +203,7 @@ FROZEN_SURFACE = {
         "straggler_patience": 3,
         "straggler_action": "warn",
         "straggler_min_samples": 1,
+        "straggler_read_ahead": True,
         "straggler_leave_factor": 4.0,
         "straggler_replay": "",
         "sdc_check_steps": 50,

@@ -170,6 +170,10 @@ def test_a_rank_with_slow_reads_takes_fewer_samples_and_is_named_for_its_data(sm
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = next(line for line in proc.stdout.splitlines() if line.startswith("straggler: rank 1 on"))
     assert report.endswith("): data loading"), report
+    # at the first window's end it reads ahead in a thread, two steps' micro-batches (the reads the hook slows, still
+    # slower than the tiny model's step: the share falls too)
+    ahead = [line for line in proc.stdout.splitlines() if line.startswith("read-ahead: rank 1 on")]
+    assert len(ahead) == 1 and ahead[0].endswith("its loader reads 4 micro-batches ahead from step 3"), ahead
     sizes = [len(line["ids"]) for line in trace(out, 1)]  # a micro-batch's, two a step
     assert max(sizes[2 * 5 : 2 * 10]) < 4, sizes  # a smaller share while slow (its coming back: the test above)
     assert global_sequence(out, 2) == global_order(small_data, 1, 2)[: 16 * 16]

@@ -4,12 +4,14 @@ loaders read by. The same samples, each once, in as many micro-batches in every 
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
 import torch
 
 from infra.data import DataCursor, ResumableLoader
+from infra.data.ahead import ReadAhead, deeper
 from infra.data.steps import GlobalBatches
 from infra.shares import (
     ALONE,
@@ -163,7 +165,7 @@ def test_each_rank_reads_its_size_of_every_global_batch_as_the_schedule_says_acr
     for position in range(30):  # 9 global batches an epoch: across 3 epochs
         if position == 12:
             for loader in loaders:
-                loader.schedule.change(position + loader.read_ahead, [4, 4, 4])  # the first it may not have sliced
+                loader.schedule.change(position + loader.read_ahead(), [4, 4, 4])  # the first it may not have sliced
         expected, sizes = next(whole).reshape(-1).tolist(), loaders[0].schedule.at(position)
         read = [next(r).reshape(-1).tolist() for r in ranks]
         assert [len(r) for r in read] == sizes and sum(read, []) == expected, position
@@ -182,11 +184,13 @@ def test_the_mixtures_ranks_read_their_sizes_of_its_global_batches():
     whole, loaders = iter(loader(0, 1, 12)), [loader(r, 3, 4) for r in range(3)]
     for each in loaders:
         each.schedule.change(2, [1, 5, 6])
-    ranks = [iter(each) for each in loaders]
+    ranks = [iter(each) for each in loaders[:2]] + [ReadAhead(loaders[2], 5)]  # rank 2 reads ahead in a thread
     for position in range(80):  # past a block of 64 global batches
         read = [next(r).reshape(-1).tolist() for r in ranks]
         assert [len(r) for r in read] == loaders[0].schedule.at(position)
         assert sum(read, []) == next(whole).reshape(-1).tolist(), position
+        assert repr(loaders[2].cursor) == repr(loaders[0].cursor), position  # moved as the loop took its batch
+    ranks[2].close()
 
 
 def test_the_fastest_split_finishes_first_in_whole_samples_within_its_bounds():
@@ -332,7 +336,7 @@ def test_a_resize_waits_for_what_the_loaders_read_ahead_and_a_checkpoint_keeps_i
     taken = [[[len(m.ids) for m in each.take(ALONE, 0, None)] for each in shares] for _ in range(3)]
     assert taken == [[[4, 4], [4, 4]], [[4, 4], [4, 4]], [[3, 3], [5, 5]]]
     saved = shares[0].state_dict()
-    assert saved == {"schedule": {"even": [4, 4], "changes": [[10, [3, 5]]]}}
+    assert saved == {"schedule": {"even": [4, 4], "changes": [[10, [3, 5]]]}, "read_ahead": [0, 0]}
 
     fresh = EvenShares(ResumableLoader(dataset, 4, 7, 0, 2, DataCursor()), 2)
     assert fresh.load_state_dict(saved) is None and fresh.loader.schedule.at(10) == [3, 5]
@@ -371,3 +375,113 @@ def test_a_recorded_schedule_is_replayed_from_the_first_step_where_it_splits_thi
     (tmp_path / "old" / "manifest.json").write_text(json.dumps({"step": 2}))
     with pytest.raises(CheckpointError, match="records no shares"):
         manifest_of(tmp_path / "old", "shares")
+
+
+class Flaky(Shards):
+    """Shards whose sample `bad` cannot be read."""
+
+    def __init__(self, sizes: list[int], bad: int):
+        super().__init__(sizes)
+        self.bad = bad
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.bad:
+            raise OSError(f"sample {i}: input/output error")
+        return super().__getitem__(i)
+
+
+def settled(read: list[int], count: int) -> bool:
+    """Whether the reads reached `count` within 10 s (a thread's), and stayed there a moment."""
+    deadline = time.monotonic() + 10
+    while len(read) < count and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.1)
+    return len(read) == count
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_thread_reading_ahead_hands_out_the_loaders_batches_and_the_cursor_moves_as_the_loop_takes_them(workers):
+    """ReadAhead (infra.data.ahead): the same batches, ids and cursor after each as the loader's own iterator, across
+    epochs and a change of the shares placed past what it read ahead; it reads `depth` ready and one in hand ahead of
+    the loop, no further; closed, its thread ends; a read that fails raises in the loop, after the batches before it."""
+    dataset, processes, micro = Shards([32, 32, 20, 32]), 2, 4
+    rank_1 = lambda data: ResumableLoader(data, micro, 7, 1, processes, DataCursor(), num_workers=workers, shuffle_window=24)  # noqa: E731
+    plain, ahead = rank_1(dataset), rank_1(dataset)
+    read: list[int] = []
+    ahead.on_read = read.append
+    batches, depth = ReadAhead(ahead, 3), 3
+    assert settled(read, depth + 1)  # nothing taken: `depth` ready and one in hand
+    expected = iter(plain)
+    for position in range(40):  # 14 global batches an epoch: across 3 epochs
+        if position == 12:
+            for loader in (plain, ahead):
+                loader.schedule.change(position + loader.read_ahead(depth), [2, 6])
+        assert next(batches).tolist() == next(expected).tolist(), position
+        assert ahead.last_sample_ids == plain.last_sample_ids and repr(ahead.cursor) == repr(plain.cursor), position
+    assert settled(read, 40 + depth + 1) and ahead.read_ahead(depth) == 2 * workers + 1 + depth + 1
+    assert len(ahead.last_sample_ids) == 6  # the change, in force
+    batches.close()
+    expected.close()
+    assert not batches._thread.is_alive() and repr(ahead.cursor) == repr(plain.cursor)  # what it read past: never counted
+
+    flaky = rank_1(Flaky([32, 32], bad=global_order_of(plain.seed, 5)[1]))
+    failing = ReadAhead(flaky, 2)
+    taken = [next(failing) for _ in range(5)]  # the five global batches before the bad sample's
+    with pytest.raises(OSError, match="input/output error"):
+        next(failing)
+    assert len(taken) == 5 and flaky.cursor.samples_consumed == 5 * micro * processes
+    failing.close()
+
+
+def global_order_of(seed: int, position: int) -> list[int]:
+    """The global ids of rank 1's slice (of 2, of 4 samples) of global batch `position` of the first epoch of [32, 32]
+    samples, in windows of 24."""
+    from infra.data.loader import EpochOrder
+
+    return EpochOrder([32, 32], seed, 0, 24)[position * 8 : (position + 1) * 8][4:8].tolist()
+
+
+def test_read_further_starts_a_thread_where_the_loop_is_and_a_resize_counts_its_depth():
+    """EvenShares.read_further mid-run: the steps' samples are those of shares that never read ahead; the next change of
+    the shares is placed past the deepest read-ahead of any process (the same position on every process); a checkpoint
+    keeps the depths and a resumed reader reads ahead as before; close() stops the thread."""
+    from infra.data.steps import EvenShares
+
+    dataset = Shards([32, 32, 20, 32])
+    make = lambda r: EvenShares(ResumableLoader(dataset, 4, 7, r, 2, DataCursor(), shuffle_window=24), 2)  # noqa: E731
+    shares, plain = [make(r) for r in range(2)], [make(r) for r in range(2)]
+    for each in shares + plain:
+        each.start()
+    ids = lambda group: [[m.ids for m in each.take(ALONE, 0, None)] for each in group]  # noqa: E731
+    assert str(ids(shares)) == str(ids(plain))
+    for each in shares:
+        each.read_further([0, 4])  # rank 1 waits for its data
+    assert not isinstance(shares[0].batches, ReadAhead) and shares[1].batches.depth == 4
+    # at position 2 (one step): past one batch read ahead without a thread, and rank 1's 4 ready and 1 in hand: 8
+    assert [each.resize([3, 5]) for each in shares] == [3, 3] and shares[1].loader.schedule.changes == [(8, [3, 5])]
+    for each in plain:
+        each.loader.schedule.change(8, [3, 5])
+    for _ in range(6):
+        assert str(ids(shares)) == str(ids(plain))
+    saved = shares[1].state_dict()
+    assert saved["read_ahead"] == [0, 4]
+    with pytest.raises(AssertionError):
+        shares[1].read_further([0, 2])  # never lowered: a resize counts the deepest
+    resumed = make(1)
+    assert resumed.load_state_dict(saved) is None and resumed.depths == [0, 4]
+    resumed.loader.cursor.load_state_dict(shares[1].loader.cursor.state_dict())
+    resumed.start()
+    assert isinstance(resumed.batches, ReadAhead) and str(ids([resumed])) == str(ids([plain[1]]))
+    threads = [each.batches._thread for each in (shares[1], resumed)]
+    for each in shares + plain + [resumed]:
+        each.close()
+    assert not any(thread.is_alive() for thread in threads)
+
+
+def test_a_process_that_waits_for_its_data_reads_two_steps_ahead_and_never_less():
+    """deeper: over 5% of a micro-batch's time waiting for data -> two steps' micro-batches read ahead; the same
+    numbers give the same depths on every process; never lowered; None when nothing changes."""
+    assert deeper([0, 0, 0], waits=[0.001, 0.02, 0.0], seconds=[0.1, 0.1, 0.0], accumulation=3) == [0, 6, 0]
+    assert deeper([0, 6, 0], waits=[0.001, 0.0, 0.0], seconds=[0.1, 0.1, 0.1], accumulation=3) is None  # kept
+    assert deeper([0, 6], waits=[0.05, 0.05], seconds=[0.1, 0.1], accumulation=1) == [2, 6]
+    assert deeper([0, 0], waits=[0.005, 0.004], seconds=[0.1, 0.1], accumulation=1) is None  # 5%: not over it

@@ -13,8 +13,9 @@ and one window shuffle, whatever the position: no batch is read and thrown away 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -119,8 +120,18 @@ class _RankBatches(torch.utils.data.Sampler):
         return max(0, (len(self.order) - self.start) // self.global_batch)
 
 
-def read_ahead(num_workers: int) -> int:
-    return 2 * num_workers + 1
+def read_ahead(num_workers: int, depth: int = 0) -> int:
+    """Global batches past the one handed out that a loader may have sliced already: the DataLoader's workers prefetch 2
+    batches each; a reading thread (infra.data.ahead) holds `depth` more, and one in its hands."""
+    return 2 * num_workers + 1 + (depth + 1 if depth else 0)
+
+
+class Read(NamedTuple):
+    """A batch as read: its samples, their global ids, and the epoch it belongs to (ResumableLoader; a mixture's: 0)."""
+
+    batch: Any
+    ids: list[int]
+    epoch: int
 
 
 def collate(batch):
@@ -157,6 +168,7 @@ class ResumableLoader:
         self.num_workers, self.pin_memory = num_workers, pin_memory
         self.schedule = SizeSchedule([batch_size] * world_size)  # each rank's samples of each global batch
         self.last_sample_ids: list[int] = []  # global ids of the batch most recently handed out
+        self.on_read: Callable[[int], None] | None = None  # told each batch's samples as it is read (the test hooks)
         if len(dataset) < self.global_batch_size:
             raise DataError(
                 f"the dataset has {len(dataset)} samples, fewer than one global batch "
@@ -171,11 +183,10 @@ class ResumableLoader:
     def batches_per_epoch(self) -> int:
         return len(self.dataset) // self.global_batch_size
 
-    @property
-    def read_ahead(self) -> int:
-        """Global batches past the one handed out that this loader may have sliced already: a change of the schedule is
-        for a position further on (the DataLoader's workers prefetch 2 batches each)."""
-        return read_ahead(self.num_workers)
+    def read_ahead(self, depth: int = 0) -> int:
+        """Global batches past the one handed out that this loader may have sliced already, read `depth` ahead by a
+        thread: a change of the schedule is for a position further on."""
+        return read_ahead(self.num_workers, depth)
 
     @property
     def batches_consumed(self) -> int:
@@ -189,10 +200,14 @@ class ResumableLoader:
     def source_names(self, ids) -> None:
         return None
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def reading(self) -> Iterator[Read]:
+        """This rank's batches from the cursor on, epochs rolling over, read without moving the cursor: `handed` moves it
+        as the loop takes each (so a thread may read ahead, infra.data.ahead)."""
+        epoch, consumed = self.cursor.epoch, self.cursor.samples_consumed
         while True:
-            order = EpochOrder(self.shard_sizes, self.seed, self.cursor.epoch, self.shuffle_window)
-            sampler = _RankBatches(order, self.cursor.samples_consumed, self.batches_consumed, self.schedule, self.rank)
+            order = EpochOrder(self.shard_sizes, self.seed, epoch, self.shuffle_window)
+            position = epoch * self.batches_per_epoch + consumed // self.global_batch_size
+            sampler = _RankBatches(order, consumed, position, self.schedule, self.rank)
             loader = torch.utils.data.DataLoader(
                 self.dataset,
                 batch_sampler=sampler,
@@ -202,11 +217,22 @@ class ResumableLoader:
                 generator=torch.Generator(),
             )
             for batch, ids in zip(loader, sampler, strict=True):
-                self.last_sample_ids = ids
-                self.cursor.samples_consumed += self.global_batch_size
-                yield batch
-            self.cursor.epoch += 1
-            self.cursor.samples_consumed = 0
+                if self.on_read is not None:
+                    self.on_read(len(ids))
+                yield Read(batch, ids, epoch)
+            epoch, consumed = epoch + 1, 0
+
+    def handed(self, read: Read):
+        """`read` handed to the loop: the cursor moves past it (into its epoch first, when it began the next one)."""
+        if read.epoch != self.cursor.epoch:
+            self.cursor.epoch, self.cursor.samples_consumed = read.epoch, 0
+        self.last_sample_ids = read.ids
+        self.cursor.samples_consumed += self.global_batch_size
+        return read.batch
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for read in self.reading():
+            yield self.handed(read)
 
 
 def eval_batches(dataset: torch.utils.data.Dataset, batch_size: int, rank: int, world_size: int) -> Iterator[torch.Tensor]:

@@ -17,14 +17,14 @@ rounding; tested for random mixtures, where it stayed within 1.2)."""
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from infra.data.errors import DataError
-from infra.data.loader import EpochOrder, collate, read_ahead
+from infra.data.loader import EpochOrder, Read, collate, read_ahead
 from infra.data.shards import SampleRange, read_rows
 from infra.shares import SizeSchedule, sliced
 
@@ -310,6 +310,7 @@ class MixtureLoader:
         self.loader_args = loader  # num_workers, pin_memory
         self.schedule = SizeSchedule([batch_size] * world_size)  # each rank's samples of each global batch
         self.last_sample_ids: list[int] = []
+        self.on_read: Callable[[int], None] | None = None
 
     @property
     def global_batch_size(self) -> int:
@@ -319,10 +320,9 @@ class MixtureLoader:
     def batches_consumed(self) -> int:
         return self.cursor.position // self.global_batch_size
 
-    @property
-    def read_ahead(self) -> int:
+    def read_ahead(self, depth: int = 0) -> int:
         """As ResumableLoader.read_ahead."""
-        return read_ahead(self.loader_args.get("num_workers", 0))
+        return read_ahead(self.loader_args.get("num_workers", 0), depth)
 
     def source_index(self, ids) -> np.ndarray:
         """The source (its number) of each sample id."""
@@ -331,13 +331,23 @@ class MixtureLoader:
     def source_names(self, ids) -> list[str]:
         return self.dataset.source_of(ids)
 
-    def __iter__(self):
+    def reading(self) -> Iterator[Read]:
+        """As ResumableLoader.reading (the cursor's segment read, never its position)."""
         order = MixtureOrder(self.dataset, self.cursor, self.shard_sizes, self.seed, self.shuffle_window)
         sampler = _MixtureBatches(order, self.cursor.position, self.schedule, self.rank)
         loader = torch.utils.data.DataLoader(
             self.dataset, batch_sampler=sampler, collate_fn=collate, generator=torch.Generator(), **self.loader_args
         )
         for batch, ids in zip(loader, sampler, strict=False):
-            self.last_sample_ids = ids
-            self.cursor.position += self.global_batch_size
-            yield batch
+            if self.on_read is not None:
+                self.on_read(len(ids))
+            yield Read(batch, ids, 0)
+
+    def handed(self, read: Read):
+        self.last_sample_ids = read.ids
+        self.cursor.position += self.global_batch_size
+        return read.batch
+
+    def __iter__(self):
+        for read in self.reading():
+            yield self.handed(read)

@@ -15,20 +15,24 @@ Both answer the same calls, so the Trainer's step asks no question about which i
     shares.committed(step, trace)           the step counted: the cursor moves on (SplitShares)
     shares.samples_per_step                 the step's global batch (samples_read: this process's part of the last)
     shares.state_dict(), load_state_dict()  what a checkpoint keeps of the split: EvenShares' schedule of sizes
+    shares.close()                          what reads ahead stopped (a run's end)
 
 EvenShares' sizes can follow the processes' speeds (straggler_action: rebalance): `resize(sizes)` changes every
-process's samples of each micro-step from the next step its loader has not read ahead to (the same call on every
-process, from the same gathered numbers); its samples and the global batch stay those of the even split.
+process's samples of each micro-step from the next step no process's loader has read ahead to (the same call on every
+process, from the same gathered numbers); its samples and the global batch stay those of the even split. A process
+that waits for its data reads ahead in a thread (`read_further(depths)`, infra.data.ahead).
 
 A new way of splitting is a function in infra.shares and, if it reads otherwise, a reader here with these calls.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from infra.data.ahead import ReadAhead
 from infra.data.loader import EpochOrder, SampleTrace, collate
 from infra.shares import Seat, SizeSchedule, group_share, process_share
 
@@ -82,11 +86,35 @@ class EvenShares:
     def __init__(self, loader, accumulation: int):
         self.loader, self.accumulation = loader, accumulation
         self.samples_per_step = loader.global_batch_size * accumulation
-        self.batches = None
+        self.batches: Iterator | None = None
         self.samples_read = 0
+        self.depths = [0] * len(loader.schedule.even)  # each process's batches read ahead by a thread (0: none)
 
     def start(self) -> None:
-        self.batches = iter(self.loader)
+        """Reading from the cursor (a fresh start, a resume, a rollback), read ahead where `read_further` asked."""
+        self.close()
+        depth = self.depths[self.loader.rank]
+        self.batches = ReadAhead(self.loader, depth) if depth else iter(self.loader)
+
+    def close(self) -> None:
+        """What reads ahead stopped (the batches it read and the loop did not take were never counted)."""
+        if isinstance(self.batches, ReadAhead):
+            self.batches.close()
+        elif self.batches is not None:
+            self.batches.close()  # a generator: its DataLoader's workers stopped now, not at its collection
+        self.batches = None
+
+    def read_further(self, depths: list[int]) -> None:
+        """Each process's batches read ahead by a thread (infra.data.ahead), the same list on every process: raised only,
+        so that `resize` counts what any loader may have sliced."""
+        assert all(new >= old for new, old in zip(depths, self.depths, strict=True)), (depths, self.depths)
+        self.depths = list(depths)
+        depth = depths[self.loader.rank]
+        if isinstance(self.batches, ReadAhead):
+            self.batches.depth = depth
+        elif depth and self.batches is not None:  # from the cursor, where the loop is: nothing is read twice or skipped
+            self.batches.close()
+            self.batches = ReadAhead(self.loader, depth)
 
     def take(self, seat: Seat, step: int, trace: SampleTrace | None) -> list[Micro]:
         micros = []
@@ -114,13 +142,13 @@ class EvenShares:
         """Every process's samples of each micro-step from the first step that no loader has read ahead to: the steps
         until then."""
         now = self.loader.batches_consumed
-        position = now + self.loader.read_ahead
+        position = now + self.loader.read_ahead(max(self.depths))
         position += -position % self.accumulation  # a step's micro-batches alike
         self.loader.schedule.change(position, sizes)
         return (position - now) // self.accumulation
 
     def state_dict(self) -> dict:
-        return {"schedule": self.loader.schedule.state_dict()}
+        return {"schedule": self.loader.schedule.state_dict(), "read_ahead": self.depths}
 
     def replay(self, state: dict) -> str | None:
         """A recorded run's schedule (a checkpoint's `shares`) in force from its start: None, or why it cannot split
@@ -141,6 +169,7 @@ class EvenShares:
         if schedule.even != self.loader.schedule.even:
             return f"shares: the checkpoint's were of {len(schedule.even)} processes x {schedule.even[0]}; even shares from here"
         self.loader.schedule.changes = schedule.changes  # in place: a sampler holds the loader's schedule
+        self.depths = list(state.get("read_ahead", self.depths))  # a checkpoint from before read-ahead: none
         return None
 
 
@@ -181,6 +210,9 @@ class SplitShares:
 
     def replay(self, state: dict) -> str | None:
         return "replica groups split a step by their seats in the quorum, not by recorded shares"
+
+    def close(self) -> None:
+        """Nothing reads ahead: the step's samples are read as it starts."""
 
     def committed(self, step: int, trace: SampleTrace | None) -> None:
         self.global_batches.advance(self.cursor)
