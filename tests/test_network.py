@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from infra.checkpoint import read_manifest
+from infra.distributed import FSDP_ON_CPU_ENV
 from infra.hangs import AUTO_FLOOR_SECONDS, PEER_LOST_EXIT_CODE, SILENT_FLOOR_SECONDS
 from infra.launch import AGENT_GRACE_SECONDS
 from infra.rendezvous import TIMEOUT_ENV
@@ -50,16 +51,21 @@ class Job:
         extra: tuple[str, ...] = (),
         machines: int = 2,
         faulty: int | None = None,
+        config: str = "multi_node.yaml",
     ):
         self.hosts, self.data, self.tmp, self.out, self.name = hosts, data, tmp, tmp / "out", name
         self.faults, self.restarts, self.launcher_args, self.extra, self.machines = faults, restarts, launcher_args, extra, machines
         self.faulty = faulty  # the one host whose launcher gets the faults (None: every one)
+        self.config = config  # the engine: DDP (multi_node.yaml), or fsdp.yaml with the machines given on the command line
         self.procs = [self.start(rank) for rank in range(machines)]
 
     def start(self, rank: int, log: Path | None = None):
         """The launcher of host `rank` (again, for a host that comes back)."""
+        env = {FSDP_ON_CPU_ENV: "1"} if self.config == "fsdp.yaml" else {}
+        if self.faults and self.faulty in (None, rank):
+            env[FAULTS_ENV] = json.dumps(self.faults)
         cmd, env = launch_command(
-            "multi_node.yaml",
+            self.config,
             recipe_args(self.data, self.out, 2 * STEPS, *self.extra),
             self.tmp,
             num_processes=self.machines,
@@ -69,7 +75,7 @@ class Job:
                 *("--num_machines", str(self.machines), "--machine_rank", str(rank), "--main_process_ip", self.hosts.addresses[0]),
                 *("--max_restarts", str(self.restarts), *self.launcher_args),
             ),
-            env={FAULTS_ENV: json.dumps(self.faults)} if self.faults and self.faulty in (None, rank) else None,
+            env=env or None,
         )
         return self.hosts.popen(rank, cmd, env, log or self.log_path(rank), cwd=REPO)
 
@@ -427,21 +433,30 @@ def test_a_node_that_cannot_join_is_refused_in_one_line_before_anything_is_writt
     assert not out.exists()
 
 
-@pytest.mark.slow  # 2 minutes: out of the quick suite; CI runs it after the matrix (make test-ci-slow)
-@pytest.mark.ci
+@pytest.mark.slow  # 2 minutes each: out of the quick suite; CI runs DDP's after the matrix (make test-ci-slow)
 @pytest.mark.skipif(bool(Hosts.unavailable(cpus=True)), reason=str(Hosts.unavailable(cpus=True)))
-def test_a_host_held_to_a_fifth_of_its_cpu_share_gives_up_samples_and_takes_them_back(small_data, tmp_path):
+@pytest.mark.parametrize(
+    ("config", "plain"),
+    [pytest.param("multi_node.yaml", "cpu.yaml", marks=pytest.mark.ci), ("fsdp.yaml", "fsdp.yaml"), ("zero3.yaml", "zero3.yaml")],
+    ids=["ddp", "fsdp2", "zero3"],
+)
+def test_a_host_held_to_a_fifth_of_its_cpu_share_gives_up_samples_and_takes_them_back(config, plain, small_data, tmp_path):
     """Two hosts of half a core each (a CPU cgroup a host: a real slow machine, not an injected sleep), one process a
     host, straggler_action=rebalance with windows of 2 steps; host 1 held to a tenth of a core from step 4 or so until
     step 12 has been saved. Its share of each micro-step (4 of 8 when even) falls while it is slow and comes back once it
-    is not; every step trains on an even run's samples in its order, and the final weights are that run's within 1e-5
-    (fp32, no dropout: the order of the sums aside, the same computation)."""
+    is not; every step trains on an even run's samples in its order, and the final weights are that run's (the same
+    engine, 2 processes on one host) within 1e-5 (fp32, no dropout: the order of the sums aside, the same computation).
+    Under DDP and FSDP2 (whose every forward gathers the parameters, where the fast host waits for the slow one: the
+    time in the gathers is left out of a host's own, or its share would never come back)."""
     exact = ("--attention_dropout", "0", "--mixed_precision", "no", "--straggler_window_steps", "2")
     even = tmp_path / "even"
-    assert launch("cpu.yaml", recipe_args(small_data, even / "out", 2 * STEPS, *exact), even).returncode == 0
+    args = recipe_args(small_data, even / "out", 2 * STEPS, *exact)
+    assert launch(plain, args, even, num_processes=2, env={FSDP_ON_CPU_ENV: "1"}).returncode == 0
     with Hosts(2, cpus=0.5) as hosts:
         rebalance = ("--straggler_action", "rebalance", "--straggler_leave_factor", "0")  # slow for a while, never left out
-        job = Job(hosts, small_data, tmp_path, "rebalance", extra=(*exact, *rebalance))
+        # DeepSpeed over several machines: torch's launcher on each, as the other engines (not DeepSpeed's pdsh)
+        launcher = ("--deepspeed_multinode_launcher", "standard") if config.startswith("zero") else ()
+        job = Job(hosts, small_data, tmp_path, "rebalance", extra=(*exact, *rebalance), config=config, launcher_args=launcher)
         job.wait_for_checkpoint(4)
         hosts.set_cpus(1, 0.1)
         job.wait_for_checkpoint(12)
