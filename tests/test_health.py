@@ -104,7 +104,7 @@ def test_a_slow_rank_is_named_then_the_job_saves_and_exits_with_its_code(small_d
 
 
 @pytest.mark.slow  # a minute each: out of the quick suite; CI runs the DDP one after the matrix (make test-ci-slow)
-@pytest.mark.parametrize("config", [pytest.param("cpu.yaml", marks=pytest.mark.ci), "zero3.yaml", "fsdp.yaml"])
+@pytest.mark.parametrize("config", [pytest.param("cpu.yaml", marks=pytest.mark.ci), "zero2.yaml", "zero3.yaml", "fsdp.yaml"])
 def test_a_slow_rank_takes_fewer_samples_and_the_steps_keep_theirs(config, small_data, tmp_path):
     """straggler_action=rebalance, rank 1 slower by 20 ms a sample of its share through step 12 (fp32, no dropout),
     under DDP, and under ZeRO-3 and FSDP2, where every forward gathers the parameters and a rank's own time is its

@@ -4,6 +4,7 @@ loaders read by. The same samples, each once, in as many micro-batches in every 
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import numpy as np
@@ -431,6 +432,30 @@ def test_a_thread_reading_ahead_hands_out_the_loaders_batches_and_the_cursor_mov
         next(failing)
     assert len(taken) == 5 and flaky.cursor.samples_consumed == 5 * micro * processes
     failing.close()
+
+
+def test_closing_a_read_ahead_stuck_in_a_read_leaves_the_thread_behind(monkeypatch):
+    """A storage that stopped answering: close() gives the thread CLOSE_WAIT seconds, then returns (the loop's exit is
+    never held up); the thread, a daemon, ends once its read does, and reads nothing more."""
+    answered = threading.Event()
+
+    class Stuck(Shards):
+        def __getitem__(self, i: int) -> torch.Tensor:
+            answered.wait(timeout=30)
+            return super().__getitem__(i)
+
+    monkeypatch.setattr(ReadAhead, "CLOSE_WAIT", 0.2)
+    read: list[int] = []
+    loader = ResumableLoader(Stuck([32, 32]), 4, 7, 0, 2, DataCursor())
+    loader.on_read = read.append
+    batches = ReadAhead(loader, 2)
+    began = time.monotonic()
+    batches.close()
+    assert time.monotonic() - began < 5 and batches._thread.is_alive() and read == []
+    answered.set()
+    batches._thread.join(timeout=10)
+    assert not batches._thread.is_alive() and read == [4]  # the read in its hands, then nothing more
+    assert loader.cursor.samples_consumed == 0
 
 
 def global_order_of(seed: int, position: int) -> list[int]:

@@ -28,6 +28,8 @@ from typing import Any
 class ReadAhead:
     """The loader's batches, read by a thread up to `depth` ahead of the loop (see the module's doc)."""
 
+    CLOSE_WAIT = 10.0  # seconds close() waits for a thread in the middle of a read
+
     def __init__(self, loader: Any, depth: int):
         self.loader, self._depth = loader, depth
         self._ready: deque = deque()
@@ -84,10 +86,12 @@ class ReadAhead:
         return self.loader.handed(read)
 
     def close(self) -> None:
+        """The thread told to stop, and joined; one stuck in a read (a storage that stopped answering) is left behind
+        after CLOSE_WAIT seconds, a daemon that ends with the read or the process, never holding up the loop's exit."""
         with self._changed:
             self._closing = True
             self._changed.notify_all()
-        self._thread.join()
+        self._thread.join(timeout=self.CLOSE_WAIT)
         self._ready.clear()
 
 
