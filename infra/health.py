@@ -56,8 +56,9 @@ class HealthConfig:
     straggler_read_ahead: bool = field(
         default=True,
         metadata={
-            "help": "With straggler_action=rebalance, a process that waits for its data over 5% of its time (a slow disk) "
-            "reads two steps' micro-batches ahead in a thread, from then on (held in its memory)."
+            "help": "With straggler_action=rebalance, a process slow at its data (its wait past the median process's over 5% "
+            "of its time and over its compute past the median's: a slow disk) reads two steps' micro-batches ahead in a "
+            "thread, from then on (held in its memory)."
         },
     )
     straggler_leave_factor: float = field(

@@ -635,7 +635,7 @@ class Trainer:
         return behind
 
     def read_further(self, window: Window) -> None:
-        """A process that waits for its data (a slow disk) reads ahead in a thread (infra.data.ahead): the same decision on
+        """A process slow at its data (a slow disk) reads ahead in a thread (infra.data.ahead.deeper): the same decision on
         every rank, from the same gathered numbers, before a change of the shares counts what the loaders read ahead."""
         depths = deeper(self.shares.depths, window.waits, window.seconds, self.args.gradient_accumulation_steps)
         if depths is None:

@@ -107,9 +107,9 @@ def test_a_slow_rank_is_named_then_the_job_saves_and_exits_with_its_code(small_d
 @pytest.mark.parametrize("config", [pytest.param("cpu.yaml", marks=pytest.mark.ci), "zero2.yaml", "zero3.yaml", "fsdp.yaml"])
 def test_a_slow_rank_takes_fewer_samples_and_the_steps_keep_theirs(config, small_data, tmp_path):
     """straggler_action=rebalance, rank 1 slower by 20 ms a sample of its share through step 12 (fp32, no dropout),
-    under DDP and ZeRO-2 (whose forward gathers nothing), and under ZeRO-3 and FSDP2, where every forward gathers the parameters and a rank's own time is its
-    forward's less those gathers (infra.health.GatherWaits; counted whole, the fast rank's waits for the slow one made
-    it look as slow, and a share that fell was never given back):
+    under DDP and ZeRO-2 (whose forward gathers nothing), and under ZeRO-3 and FSDP2, where every forward gathers the
+    parameters and a rank's own time is its forward's less those gathers (infra.health.GatherWaits; counted whole, the
+    fast rank's waits for the slow one made it look as slow, and a share that fell was never given back):
     its share of each micro-step falls within two windows (and the rebalanced line names it), the checkpoint holds the
     shares in force and the resumed run starts with them, and once rank 1 is fast again its share comes back (within
     the 6 windows to step 24: the tiny model's time is mostly overhead, so the share climbs a sample or so a window). Every

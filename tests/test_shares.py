@@ -503,10 +503,14 @@ def test_read_further_starts_a_thread_where_the_loop_is_and_a_resize_counts_its_
     assert not any(thread.is_alive() for thread in threads)
 
 
-def test_a_process_that_waits_for_its_data_reads_two_steps_ahead_and_never_less():
-    """deeper: over 5% of a micro-batch's time waiting for data -> two steps' micro-batches read ahead; the same
-    numbers give the same depths on every process; never lowered; None when nothing changes."""
-    assert deeper([0, 0, 0], waits=[0.001, 0.02, 0.0], seconds=[0.1, 0.1, 0.0], accumulation=3) == [0, 6, 0]
+def test_a_process_slow_at_its_data_reads_two_steps_ahead_and_never_less():
+    """deeper: a wait for data past the median process's, over 5% of a micro-batch's time and over its compute past the
+    median's -> two steps' micro-batches read ahead; the same numbers give the same depths on every process; a process
+    slow at everything (a throttled CPU), or whose reads are merely a part of a small step as everyone's, does not;
+    never lowered; None when nothing changes."""
+    assert deeper([0, 0, 0], waits=[0.001, 0.02, 0.001], seconds=[0.1, 0.12, 0.1], accumulation=3) == [0, 6, 0]
     assert deeper([0, 6, 0], waits=[0.001, 0.0, 0.0], seconds=[0.1, 0.1, 0.1], accumulation=3) is None  # kept
-    assert deeper([0, 6], waits=[0.05, 0.05], seconds=[0.1, 0.1], accumulation=1) == [2, 6]
-    assert deeper([0, 0], waits=[0.005, 0.004], seconds=[0.1, 0.1], accumulation=1) is None  # 5%: not over it
+    assert deeper([0, 0], waits=[0.01, 0.01], seconds=[0.1, 0.1], accumulation=1) is None  # everyone's 10%: a small step
+    assert deeper([0, 0], waits=[0.001, 0.01], seconds=[0.1, 0.4], accumulation=1) is None  # slow at everything
+    assert deeper([0, 0], waits=[0.001, 0.005], seconds=[0.1, 0.104], accumulation=1) is None  # 4% past the median's
+    assert deeper([0, 0], waits=[0.001, 0.3], seconds=[0.1, 0.4], accumulation=2) == [0, 4]  # a slow disk
