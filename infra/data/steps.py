@@ -97,11 +97,10 @@ class EvenShares:
         self.batches = ReadAhead(self.loader, depth) if depth else iter(self.loader)
 
     def close(self) -> None:
-        """What reads ahead stopped (the batches it read and the loop did not take were never counted)."""
-        if isinstance(self.batches, ReadAhead):
+        """What reads ahead stopped (the batches it read and the loop did not take were never counted): a ReadAhead's
+        thread, or the loader's own generator, whose DataLoader's workers stop now rather than at its collection."""
+        if self.batches is not None:
             self.batches.close()
-        elif self.batches is not None:
-            self.batches.close()  # a generator: its DataLoader's workers stopped now, not at its collection
         self.batches = None
 
     def read_further(self, depths: list[int]) -> None:
