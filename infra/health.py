@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -250,19 +250,20 @@ class StragglerDetector:
             self.streak[rank] = self.streak[rank] + 1 if ratio > self.factor else 0
             if self.streak[rank] >= self.patience:
                 slow.append(rank)
+        waits = (times[:, 1] / micro).tolist()
         report = None
         if slow:
             med_compute, med_data = (float(c.sort().values[(len(c) - 1) // 2]) for c in times.T)
+            at_data = slow_at_data(waits, seconds)
             parts = []
             for rank in slow:
                 c, d = times[rank].tolist()
-                cause = "data loading" if d - med_data > c - med_compute else "compute"
+                cause = "data loading" if at_data[rank] else "compute"
                 parts.append(
                     f"rank {rank} on {self.hosts[rank]} took {ratios[rank]:.1f}x the median step for {self.streak[rank]} windows "
                     f"of {self.window} steps (forward {c:.3f}s vs {med_compute:.3f}s, data wait {d:.3f}s vs {med_data:.3f}s): {cause}"
                 )
             report = "straggler: " + "; ".join(parts)
-        waits = (times[:, 1] / micro).tolist()
         return Window({f"straggler/rank_{r}": ratio for r, ratio in enumerate(ratios)}, report, slow, sizes, seconds, waits)
 
 
@@ -280,3 +281,31 @@ class Window(NamedTuple):
 
 
 BACKWARD_AND_FORWARD = 3.0  # a forward and its backward, in forwards
+
+
+def slow_at_data(waits: Sequence[float], seconds: Sequence[float], least: float = 0.0) -> list[bool]:
+    """Each process slow at its data (a slow disk, a slow mount), from a window's mean wait for data and seconds of a
+    micro-batch, a process each: its wait past the median process's over its compute past the median's (not a process
+    slow at everything: a throttled CPU reads slowly too) and over `least` of its time. The straggler line's cause
+    "data loading", and (with `least` WAITING) who reads ahead."""
+    computes = [time - wait for wait, time in zip(waits, seconds, strict=True)]
+    median_wait, median_compute = (sorted(values)[(len(values) - 1) // 2] for values in (waits, computes))
+    return [
+        time > 0 and wait - median_wait > max(least * time, compute - median_compute)
+        for wait, time, compute in zip(waits, seconds, computes, strict=True)
+    ]
+
+
+WAITING = 0.05  # a process slow at its data, its wait past the median process's over this part of its time, reads ahead
+STEPS_AHEAD = 2  # that far: a step's reads hidden behind the step before, and one step's slack for a slower read
+
+
+def deeper(depths: Sequence[int], waits: Sequence[float], seconds: Sequence[float], accumulation: int) -> list[int] | None:
+    """Each process's batches read ahead (infra.data.ahead) after a window (its mean wait for data and seconds of a
+    micro-batch, the same numbers on every process): STEPS_AHEAD steps' micro-batches for a process slow at its data
+    (`slow_at_data`) by more than WAITING of its time: not one whose reads are merely a part of a small step (a tiny
+    model's), nor one slow at everything (a thread would take the CPU from its step). A depth is never lowered (a
+    change of the shares counts the deepest). None: no change."""
+    reads = slow_at_data(waits, seconds, least=WAITING)
+    new = [max(depth, STEPS_AHEAD * accumulation) if slow else depth for depth, slow in zip(depths, reads, strict=True)]
+    return new if new != list(depths) else None

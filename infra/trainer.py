@@ -53,7 +53,6 @@ from infra.combine import Combine, EngineSum
 from infra.companions import companion_parameters, prepare_companions
 from infra.consensus import Agreement, StepConsensus
 from infra.data import Data, DataArguments, SampleTrace, eval_batches
-from infra.data.ahead import deeper
 from infra.data.errors import DataError
 from infra.data.steps import EvenShares, Micro, SplitShares
 from infra.data.stream import named_parts, training_stream
@@ -63,7 +62,7 @@ from infra.export import Exporter
 from infra.goodput import Goodput, summary
 from infra.guard import NonFiniteGuard
 from infra.hangs import Watchdog, log_forensics, roster
-from infra.health import STRAGGLER_EXIT_CODE, StragglerDetector, Window
+from infra.health import STRAGGLER_EXIT_CODE, StragglerDetector, Window, deeper
 from infra.hooks import Hooks
 from infra.job import Batch, Job, LossOutput
 from infra.leave import MIN_MACHINES_ENV, end_launcher, in_job_problem, restarts_left, standing
@@ -635,7 +634,7 @@ class Trainer:
         return behind
 
     def read_further(self, window: Window) -> None:
-        """A process slow at its data (a slow disk) reads ahead in a thread (infra.data.ahead.deeper): the same decision on
+        """A process slow at its data (a slow disk) reads ahead in a thread (infra.health.deeper): the same decision on
         every rank, from the same gathered numbers, before a change of the shares counts what the loaders read ahead."""
         depths = deeper(self.shares.depths, window.waits, window.seconds, self.args.gradient_accumulation_steps)
         if depths is None:

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from infra.data import DataCursor, ResumableLoader
-from infra.data.ahead import ReadAhead, deeper
+from infra.data.ahead import ReadAhead
 from infra.data.steps import GlobalBatches
+from infra.health import deeper, slow_at_data
 from infra.shares import (
     ALONE,
     Seat,
@@ -514,3 +515,7 @@ def test_a_process_slow_at_its_data_reads_two_steps_ahead_and_never_less():
     assert deeper([0, 0], waits=[0.001, 0.01], seconds=[0.1, 0.4], accumulation=1) is None  # slow at everything
     assert deeper([0, 0], waits=[0.001, 0.005], seconds=[0.1, 0.104], accumulation=1) is None  # 4% past the median's
     assert deeper([0, 0], waits=[0.001, 0.3], seconds=[0.1, 0.4], accumulation=2) == [0, 4]  # a slow disk
+    # one rule with the straggler line's cause ("data loading" where slow_at_data): the line names a slow read below 5%
+    assert slow_at_data([0.001, 0.005], [0.1, 0.104]) == [False, True]
+    assert slow_at_data([0.001, 0.01], [0.1, 0.4]) == [False, False]  # "compute"
+    assert slow_at_data([0.001, 0.3], [0.1, 0.4], least=0.05) == [False, True]

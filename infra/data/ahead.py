@@ -93,23 +93,3 @@ class ReadAhead:
             self._changed.notify_all()
         self._thread.join(timeout=self.CLOSE_WAIT)
         self._ready.clear()
-
-
-WAITING = 0.05  # a process whose wait for its data, past the median process's, is over this part of its time reads ahead
-STEPS_AHEAD = 2  # that far: a step's reads hidden behind the step before, and one step's slack for a slower read
-
-
-def deeper(depths: list[int], waits: list[float], seconds: list[float], accumulation: int) -> list[int] | None:
-    """Each process's batches read ahead after a window (its mean wait for data and seconds of a micro-batch, the same
-    numbers on every process): STEPS_AHEAD steps' micro-batches for a process slow at its data: whose wait past the
-    median process's is over WAITING of its time and over its compute past the median's (the straggler line's "data
-    loading"). Not a process slow at everything (a throttled CPU reads slowly too: a thread would take the CPU from
-    its step), nor one whose reads are merely a part of a small step (a tiny model's). A depth is never lowered (a
-    change of the shares counts the deepest). None: no change."""
-    computes = [time - wait for wait, time in zip(waits, seconds, strict=True)]
-    median_wait, median_compute = (sorted(values)[(len(values) - 1) // 2] for values in (waits, computes))
-    new = [
-        max(depth, STEPS_AHEAD * accumulation) if time > 0 and wait - median_wait > max(WAITING * time, compute - median_compute) else depth
-        for depth, wait, time, compute in zip(depths, waits, seconds, computes, strict=True)
-    ]
-    return new if new != list(depths) else None
