@@ -20,6 +20,7 @@ from infra.config import require
 from infra.data import DataCursor
 from infra.data.mixture import MixtureCursor
 from infra.errors import HealthError
+from infra.zero_step import deferrable
 
 
 def nonfinite(loss: torch.Tensor, grad_norm: torch.Tensor | float | None) -> torch.Tensor:
@@ -57,8 +58,8 @@ class NonFiniteGuard:
     """Owns what happens on a non-finite loss or gradient: skip the optimizer step, roll back, or stop.
 
     fp16: the loss scaler skips steps with inf/NaN gradients and lowers its scale by itself, so only the
-    loss counts and the optimizer still steps (the scaler skips inside). DeepSpeed's engine steps inside
-    `accelerator.backward`: too late to skip, a rollback undoes it.
+    loss counts and the optimizer still steps (the scaler skips inside). DeepSpeed without ZeRO steps inside
+    `accelerator.backward`: too late to skip, a rollback undoes it (ZeRO's step waits for the loop: infra.zero_step).
     """
 
     def __init__(self, accelerator: Accelerator, config: NonFiniteConfig, checkpoints: CheckpointManager, verify_checksums: bool):
@@ -67,7 +68,7 @@ class NonFiniteGuard:
         self.in_a_row = 0
         self.note = (
             "counted; DeepSpeed already stepped, a rollback undoes it"
-            if accelerator.distributed_type == DistributedType.DEEPSPEED
+            if accelerator.distributed_type == DistributedType.DEEPSPEED and deferrable(accelerator)
             else "optimizer step skipped"
         )
 

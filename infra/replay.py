@@ -25,8 +25,9 @@ with a transient fault ends bit for bit as a run without it. A process named a s
 copies' comparison of infra.sdc) is a machine that computes wrong: the run saves (the replayed step is sound) and
 leaves it out as infra.sdc does.
 
-Where: DDP, FSDP and one process. Not under DeepSpeed, whose engine steps the optimizer inside the backward pass (the
-state before the step is gone when the step is judged), nor with replica groups (a step is the quorum's).
+Where: DDP, FSDP, DeepSpeed ZeRO 1-3 (its step taken by the loop after the agreement: infra.zero_step) and one
+process. Not DeepSpeed without ZeRO, whose engine steps inside the backward pass, nor replica groups (a step is the
+quorum's).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from accelerate.utils import DistributedType
 
 from infra.distributed import local
 from infra.sdc import bits, copies_of, disagreeing
+from infra.zero_step import deferrable
 
 HISTORY = 100  # kept steps whose largest loss and gradient norm a spike is measured against
 WARMUP = 10  # kept steps before spikes are looked for
@@ -57,8 +59,8 @@ class Passes(NamedTuple):
 
 def cannot_replay(accelerator: Accelerator, fault_tolerance: str) -> str | None:
     """Why a step cannot be computed again here, or None."""
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        return "DeepSpeed, whose engine steps the optimizer inside the backward pass (the state before the step is gone)"
+    if why := deferrable(accelerator):
+        return why
     if fault_tolerance == "replicas":
         return "fault_tolerance=replicas (a step is the quorum's, summed across the replica groups)"
     return None

@@ -65,7 +65,7 @@ class SdcConfig:
             "processes' copies of the summed gradients apart) again from the "
             "state before it, with the same samples and random state, and compare each process's results: a process whose "
             "result changed had a transient fault (named; the step computed again is kept), a step suspicious again is the "
-            "data or the model. auto: where the engine allows it (DDP, FSDP, one process; not DeepSpeed, nor replica groups)."
+            "data or the model. auto: where the engine allows it (DDP, FSDP, DeepSpeed ZeRO 1-3, one process; not replica groups)."
         },
     )
     sdc_spike_factor: float = field(

@@ -23,7 +23,7 @@ The launch tests start real recipes, so the faults travel in the environment:
 - `INFRA_TEST_PAUSE_IN_SAVE`: seconds to pause after save_state and before the commit, so a test can kill a
   save midway.
 - `INFRA_TEST_DUMP_GRADS`: a folder where rank 0 writes `step1.pt` before the first optimizer step: the gradient
-  norm, and the whole gradients (DDP, one process; FSDP2's gathered; none under DeepSpeed, which has stepped already).
+  norm, and the whole gradients (DDP, one process; FSDP2's gathered; none under DeepSpeed, whose gradients are ZeRO's partitions by then).
   Rank 0 also writes `{saved,resumed}_{step}_ws{world size}.pt` there after each save and resume: the whole Adam
   moments of every parameter (gathered from ZeRO's or FSDP's shards).
 

@@ -80,6 +80,7 @@ from infra.replay import Passes, Replays, replay_problem
 from infra.sdc import SDC_EXIT_CODE, Copies, Mismatch, describe, sdc_problem
 from infra.shares import KeepingUp, Seat, Speeds, rebalanced
 from infra.tracking import MetricLogger, end_run, last_logged_step, run_name_for, run_tags, start_run, tracking_uri
+from infra.zero_step import defer_zero_step
 
 
 class TrainState:
@@ -183,6 +184,7 @@ class Trainer:
         self.loader, self.cursor = build_loader(acc, job.data, data_args, args)
         self.loader.on_read = self.hooks.on_read  # a test's slow disk, where the batches are read (a read-ahead's thread)
         self.model, self.optimizer = acc.prepare(job.model, optimizer)
+        self.optimizer = defer_zero_step(acc, self.optimizer)  # ZeRO: its step after the agreement (infra.zero_step)
         if has_frozen_parameters(acc):  # LoRA: checkpoints hold the adapter (and its optimizer state) only
             keep_trainable_only(acc)
         for line in prepare_companions(acc, job.companions):  # frozen models beside it: placed, sharded, never saved

@@ -181,8 +181,8 @@ TRANSIENT = {"steps": [2], "by": float("nan")}  # once in a process's life: a st
 
 
 def replayed(case: Case) -> bool:
-    """Whether the run's first launch meets a transient fault (infra.replay's engines: DDP, FSDP)."""
-    return case.fault == "non_finite" and case.engine in ("ddp", "fsdp2")
+    """Whether the run's first launch meets a transient fault (infra.replay: every engine here)."""
+    return case.fault == "non_finite"
 
 
 def bad_batches(processes: int) -> list[int]:
@@ -195,7 +195,7 @@ def bad_batches(processes: int) -> list[int]:
 def faults(case: Case, transient: bool = False, **more) -> dict[str, str]:
     """The launch's environment: FSDP on CPU asked for, and the injected faults (the run's non-finite steps, `more`).
     `transient`: with non-finite steps, also a loss made NaN once at step 2 on every process, where a step can be
-    computed again (infra.replay: not under DeepSpeed): computed again, kept, and the run goes on as without it."""
+    computed again (infra.replay): computed again, kept, and the run goes on as without it."""
     spec = {"nan_batches": bad_batches(case.processes)} if case.fault == "non_finite" else {}
     if transient and replayed(case):
         spec["scale_loss"] = TRANSIENT

@@ -92,18 +92,26 @@ def test_a_spike_is_over_factor_times_the_largest_of_the_last_kept_steps_after_a
         fp16.kept(Passes(t(2.0), None, t(1.0)))
     assert fp16.spike(t(1.0), t(float("inf"))) == 0 and fp16.spike(t(30.0), t(1.0)) == 1
     assert Replays(plain, "auto", 0.0, "none", Counter()).spike(t(1e9), t(1e9)) is None  # factor 0: no spike check
+
     # where a step cannot be computed again: auto is off, `on` refused in one line
-    deepspeed = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, scaler=None, num_processes=2)
-    assert not Replays(deepspeed, "auto", 10.0, "none", Counter()).active
+    def deepspeed_zero(stage: int) -> SimpleNamespace:
+        plugin = SimpleNamespace(zero_stage=stage)
+        return SimpleNamespace(
+            distributed_type=DistributedType.DEEPSPEED, scaler=None, num_processes=2, state=SimpleNamespace(deepspeed_plugin=plugin)
+        )
+
+    deepspeed, zero = deepspeed_zero(0), deepspeed_zero(2)  # ZeRO's step waits for the loop (infra.zero_step)
+    assert not Replays(deepspeed, "auto", 10.0, "none", Counter()).active and Replays(zero, "auto", 10.0, "none", Counter()).active
     assert not Replays(plain, "auto", 10.0, "replicas", Counter()).active
     # DDP's processes hold copies of the summed gradients, compared at each step; DeepSpeed's and one process's not
-    assert Replays(plain, "auto", 10.0, "none", Counter()).copies and not Replays(deepspeed, "on", 10.0, "none", Counter()).copies
+    assert Replays(plain, "auto", 10.0, "none", Counter()).copies and not Replays(zero, "on", 10.0, "none", Counter()).copies
     alone = SimpleNamespace(distributed_type=DistributedType.NO, scaler=None, num_processes=1)
     assert Replays(alone, "auto", 10.0, "none", Counter()).active and not Replays(alone, "auto", 10.0, "none", Counter()).copies
     assert replay_problem(deepspeed, "on", "none") == (
-        "sdc_replay='on' is not valid under DeepSpeed, whose engine steps the optimizer inside the backward pass (the state "
-        "before the step is gone); expected auto or off"
+        "sdc_replay='on' is not valid under DeepSpeed without ZeRO (zero_stage 0), whose engine steps inside the backward "
+        "pass; expected auto or off"
     )
+    assert replay_problem(zero, "on", "none") is None
     assert replay_problem(plain, "on", "replicas").startswith("sdc_replay='on' is not valid under fault_tolerance=replicas")
     assert replay_problem(deepspeed, "auto", "none") is None and replay_problem(plain, "on", "none") is None
     with pytest.raises(ConfigError, match=r"^sdc_spike_factor=0\.5 is not valid: expected 0 \(no spike check\) or a number > 1$"):
@@ -164,14 +172,17 @@ def test_transient_faults_are_computed_again_named_and_kept_out_and_a_second_sto
     assert logged.data.metrics["goodput/repair_seconds"] > 0
 
 
-@pytest.mark.slow  # 30 s: out of the quick suite
-def test_a_transient_fault_under_fsdp_is_computed_again_and_the_run_ends_as_a_clean_run(small_data, tmp_path):
-    """FSDP2 alone (no process holds another's copy: replay is its check): rank 1's loss times 1000 at step 12, computed
-    again, rank 1 named, the run ends with the clean run's weights bit for bit."""
+@pytest.mark.slow  # 30 s each: out of the quick suite; CI runs ZeRO-2's after the matrix (make test-ci-slow)
+@pytest.mark.parametrize("config", ["fsdp.yaml", pytest.param("zero2.yaml", marks=pytest.mark.ci), "zero3.yaml"])
+def test_a_transient_fault_under_a_sharded_engine_is_computed_again_and_the_run_ends_as_a_clean_run(config, small_data, tmp_path):
+    """FSDP2, ZeRO-2 and ZeRO-3 (no process holds another's copy of the summed gradients: replay is their check; under
+    ZeRO the engine's step waits for the loop, infra.zero_step): rank 1's loss times 1000 at step 12 (of two
+    micro-batches a step: the first's gradients reduced already when the step is judged), computed again, rank 1 named,
+    the run ends with the clean run's weights bit for bit."""
     runs = {}
     for name, faults in (("clean", {}), ("faulty", {"rank": 1, "scale_loss": {"steps": [12], "by": 1000}})):
         out = tmp_path / name
-        proc = run(recipe_args(small_data, out, 16, *REPLAY, "--report_to", "none"), tmp_path, faults, config="fsdp.yaml")
+        proc = run(recipe_args(small_data, out, 16, *REPLAY, "--report_to", "none"), tmp_path, faults, config=config)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[name] = (out, proc.stdout)
     assert "a transient fault" not in runs["clean"][1]
