@@ -32,6 +32,7 @@ class Agreement:
     nonfinite: bool  # some rank's loss or gradient norm is NaN or infinite
     spike: bool = False  # some rank's loss or gradient norm spiked (infra.replay): the step is computed again
     apart: bool = False  # the ranks' copies of the summed gradients differ (infra.replay): the step is computed again
+    withdrawn: bool = False  # computed again, a process computes wrong every time (infra.replay): the step is not taken
 
 
 class StepConsensus:

@@ -13,8 +13,13 @@ suspicious there) is gathered once, and judged:
 
 - copies of the summed gradients apart again: a machine that computes wrong every time: the processes apart from the
   others named (two processes: both);
-- suspicious again on some process: the step is what the data and the model give, not the machine: a non-finite step
-  goes to the non-finite guard as before (skipped, or rolled back past the data), a spike is kept;
+- suspicious again on some process: the same device computed the same thing twice, which a device wrong every time
+  does too. A second opinion (several processes): every process computes the next one's micro-batches forward (rank r's
+  by rank r + 1: the same samples and weights, r's random state as the step began, so dropout draws alike; one
+  all-gather of the batches, only here). A suspect whose loss another device computed differently, and not suspicious
+  there, is a machine that computes wrong every time: named twice, the step not taken (its gradients are in every
+  process's sum), and the run leaves it out. Else the step is what the data and the model give: a non-finite step goes
+  to the non-finite guard as before (skipped, or rolled back past the data), a spike is kept;
 - no longer suspicious: a transient fault, named where it shows: a process whose loss changed (by more than 1e-3 of
   itself: a GPU's kernels that are not deterministic change the last bits only) had it in its forward passes; else a
   process whose copy of the summed gradients changed while other processes' did not had it after its passes; else
@@ -102,6 +107,9 @@ class Verdict(NamedTuple):
     finding: str
     nonfinite: bool
     seen: str  # what made the step suspicious, on which processes (their first attempt's loss and gradient norm)
+    suspects: list[int] = []  # the processes whose second attempt was suspicious too
+    losses: list[float] = []  # each process's loss in its second attempt
+    withdrawn: bool = False  # a process computes wrong every time (second_opinion): the step is not taken
 
     def line(self) -> str:
         return f"step {self.step} computed again from the state before it ({self.seen}): {self.finding}"
@@ -118,21 +126,21 @@ class Replays:
         self.fp16 = accelerator.scaler is not None  # its loss scaler's overflows are no spikes: the gradient norm not looked at
         self.losses: deque[float] = deque(maxlen=HISTORY)
         self.norms: deque[float] = deque(maxlen=HISTORY)
-        self.counts = {"sdc/replays": 0, "sdc/transient_faults": 0, "sdc/replay_seconds": 0.0}
+        self.counts = {"sdc/replays": 0, "sdc/transient_faults": 0, "sdc/replay_seconds": 0.0, "sdc/second_opinions": 0}
         self.twice: list[int] = []  # ranks named a second time: the run leaves them out
 
     def before(self) -> tuple | None:
         """The random state as a step begins (the passes' dropout draws from it), when a step may be computed again."""
         if not self.active:
             return None
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        return torch.get_rng_state(), cuda
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        return torch.get_rng_state(), cuda  # the CPU's and this process's device's (another process may take them on)
 
     def restore(self, state: tuple) -> None:
         cpu, cuda = state
         torch.set_rng_state(cpu)
         if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
+            torch.cuda.set_rng_state(cuda)
 
     def spike(self, loss: torch.Tensor, grad_norm) -> torch.Tensor | None:
         """This process's flag for the step's agreement: its loss or gradient norm over `factor` times the largest of
@@ -188,7 +196,38 @@ class Replays:
         self.counts["sdc/replay_seconds"] += seconds
         self.named.update(named)
         self.twice = [r for r in named if self.named[r] > 1]
-        return Verdict(step, named, finding, any(again.nonfinite for _, again in both), suspicion(both, self.copies))
+        suspects = [r for r, (_, again) in enumerate(both) if again.suspect]
+        nonfinite = any(again.nonfinite for _, again in both)
+        return Verdict(step, named, finding, nonfinite, suspicion(both, self.copies), suspects, [again.loss for _, again in both])
+
+    def second_opinion(self, verdict: Verdict, views: list[float]) -> Verdict:
+        """A step suspicious again, told apart further by another device: `views[r]` is the loss of process r's
+        micro-batches as the next process computed them (its forward passes, from r's random state: the same samples,
+        weights and dropout). A suspect whose own loss changed there (by more than LOSS_CHANGE), to one neither
+        non-finite nor a spike, is a machine that computes wrong every time: named twice (both of its attempts), the
+        step not taken (`withdrawn`: its gradients are in every process's sum), and the run leaves it out as infra.sdc
+        does. Else the data or the model, as before, now seen on two devices."""
+        self.counts["sdc/second_opinions"] += 1
+        n = len(views)
+        wrong = [r for r in verdict.suspects if changed(verdict.losses[r], views[r]) and not self.spiking(views[r])]
+        if not wrong:
+            seen = "; ".join(f"rank {(r + 1) % n} computed rank {r}'s micro-batches alike" for r in verdict.suspects)
+            return verdict._replace(finding=f"{verdict.finding} ({seen})")
+        for r in wrong:
+            self.named[r] += 2
+        self.twice = sorted(set(self.twice) | set(wrong))
+        told = "; ".join(
+            f"rank {(r + 1) % n} computed rank {r}'s micro-batches to loss {views[r]:.4g}, rank {r} to {verdict.losses[r]:.4g} twice"
+            for r in wrong
+        )
+        finding = f"{told}: {ranks_of(wrong)} computes wrong every time; the step is not taken"
+        return verdict._replace(named=wrong, finding=finding, withdrawn=True)
+
+    def spiking(self, loss: float) -> bool:
+        """Whether a loss would make a step suspicious: non-finite, or a spike against the kept steps'."""
+        if not math.isfinite(loss):
+            return True
+        return bool(self.factor and len(self.losses) >= WARMUP and abs(loss) > self.factor * max(self.losses))
 
 
 class Attempt(NamedTuple):

@@ -19,7 +19,8 @@ The launch tests start real recipes, so the faults travel in the environment:
   (`gradient`: summed across processes, before clipping) flipped, at each of those steps once in the process's life (a
   transient fault, as a flipped bit in memory is: a step trained or computed again is not hit again).
   `"scale_loss": {"steps": [12], "by": 1000.0}`: the loss of the process's first micro-batch of each of those steps
-  multiplied, once in its life (a core that miscomputes its forward pass once).
+  multiplied, once in its life (a core that miscomputes its forward pass once); with `"every": true` at each attempt
+  at the step (a machine that computes that micro-batch wrong every time; another process computing it is not hit).
 - `INFRA_TEST_PAUSE_IN_SAVE`: seconds to pause after save_state and before the commit, so a test can kill a
   save midway.
 - `INFRA_TEST_DUMP_GRADS`: a folder where rank 0 writes `step1.pt` before the first optimizer step: the gradient
@@ -59,7 +60,7 @@ class Faults(Hooks):
         self.flip = dict(spec.get("flip", {})) if active else {}
         self.flipped: set[int] = set()  # the steps flipped already
         self.scale_loss = dict(spec.get("scale_loss", {})) if active else {}
-        self.scaled: set[int] = set()  # the steps whose loss was scaled already
+        self.scaled: dict[int, int] = {}  # the steps whose loss was scaled already: the micro-batch scaled
         self.step = 0  # the last step ended in this process
         self.hang_at_step = spec.get("hang_at_step") if active else None
         # only in the first incarnation of the group: torch elastic counts its restarts
@@ -77,8 +78,9 @@ class Faults(Hooks):
             if first <= self.step + 1 <= last:
                 time.sleep(seconds * samples)
         step = self.step + 1
-        if step in self.scale_loss.get("steps", []) and step not in self.scaled:
-            self.scaled.add(step)
+        every = self.scale_loss.get("every", False)  # a machine wrong every time: each attempt at the step
+        if step in self.scale_loss.get("steps", []) and (step not in self.scaled or (every and self.scaled[step] == batch)):
+            self.scaled.setdefault(step, batch)
             by = float(self.scale_loss.get("by", 1000.0))
             print(f"test fault: rank {self.rank} scaled its loss by {by:g} at step {step}", flush=True)
             loss = loss * by

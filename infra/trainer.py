@@ -453,10 +453,34 @@ class Trainer:
                 passes = self.passes(micros, items)
             again = self.replays.attempt(passes, self.model, self.guard.flag(passes.loss, passes.grad_norm))
             verdict = self.replays.judge(step, tried, again, time.perf_counter() - started)
+            if verdict.suspects and self.accelerator.num_processes > 1:  # the data, or a device wrong every time
+                verdict = self.replays.second_opinion(verdict, self.second_opinions(before, micros, items))
         hosts = self.stragglers.hosts
         self.watch.say(f"sdc: {verdict.line()}" + "".join(f"; rank {r} is on {hosts[r]}" for r in verdict.named))
         self.watch.log(dict(self.replays.counts), step=step)
-        return passes, replace(agreed, nonfinite=verdict.nonfinite, spike=False, apart=False)
+        return passes, replace(agreed, nonfinite=verdict.nonfinite, spike=False, apart=False, withdrawn=verdict.withdrawn)
+
+    def second_opinions(self, before: tuple, micros: list[Micro], items: torch.Tensor) -> list[float]:
+        """Each process's micro-batches of this step computed forward by the next process (rank r's by rank r + 1), from
+        r's random state as the step began: the loss it got, for every r (infra.replay's second opinion). Every process
+        runs as many forward passes (the sharded engines' gather in each), under no_grad; the batches and random states
+        travel in one all-gather, only here."""
+        acc, n = self.accelerator, self.accelerator.num_processes
+        batches = [None if m.batch is None else to_device(m.batch, torch.device("cpu")) for m in micros]
+        gathered: list = [None] * n
+        torch.distributed.all_gather_object(gathered, (before, batches))
+        theirs, their_batches = gathered[(acc.process_index - 1) % n]
+        mine = self.replays.before()
+        self.replays.restore(theirs)
+        loss = torch.zeros((), dtype=torch.float32, device=acc.device)
+        with torch.no_grad():
+            for batch in their_batches:  # as many on every process (a share of nothing: a stand-in, its loss not counted)
+                out = self.job.loss(self.model, to_device(self.shares.stand_in() if batch is None else batch, acc.device), items)
+                if batch is not None:
+                    loss += out.loss.detach().float()
+        self.replays.restore(mine)
+        views = acc.gather(loss.reshape(1)).cpu().tolist()  # views[p]: process p's loss of process p - 1's micro-batches
+        return [views[(r + 1) % n] for r in range(n)]
 
     def backward(self, micros: list[Micro], num_items_in_batch: torch.Tensor) -> torch.Tensor:
         """The forward and backward passes of this process's micro-batches; their summed loss. With a data_mixture (whose
@@ -514,12 +538,15 @@ class Trainer:
         if self.replays.due(agreed.nonfinite, agreed.spike, agreed.apart):
             passes, agreed = again(passes, agreed)
         loss, loss_sum, grad_norm = passes
-        if not agreed.nonfinite:
+        taken = not (agreed.nonfinite or agreed.withdrawn)  # withdrawn: a machine computes wrong every time (infra.replay)
+        if taken:
             self.replays.kept(passes)
-        steps = self.guard.record(agreed.nonfinite, state)
-        if not agreed.nonfinite:
+        steps = self.guard.record(agreed.nonfinite, state) and not agreed.withdrawn
+        if agreed.withdrawn:
+            state.skipped_steps += 1
+        if taken:
             self.metrics.add_loss(loss_sum, items)
-        self.metrics.end_step(keep=not agreed.nonfinite)  # the sources' losses of a skipped step are dropped
+        self.metrics.end_step(keep=taken)  # the sources' losses of a skipped step are dropped
         if steps:
             self.optimizer.step()
         self.learning_rate = self.scheduler.get_last_lr()[0]  # the rate this step used (the scheduler now moves on)

@@ -189,3 +189,28 @@ def test_a_transient_fault_under_a_sharded_engine_is_computed_again_and_the_run_
     assert "sdc: step 12 computed again from the state before it (rank 0: loss " in runs["faulty"][1]
     assert "rank 1 computed another loss: a transient fault in its forward pass" in runs["faulty"][1]
     assert_same_weights(runs["faulty"][0], runs["clean"][0])
+
+
+@pytest.mark.slow  # 40 s each: out of the quick suite; CI runs DDP's after the matrix (make test-ci-slow)
+@pytest.mark.parametrize("config", [pytest.param("cpu.yaml", marks=pytest.mark.ci), "fsdp.yaml"], ids=["ddp", "fsdp2"])
+def test_a_machine_wrong_every_time_is_told_from_the_data_by_another_process_and_left_out(config, small_data, tmp_path):
+    """Rank 1 of two computes its first micro-batch of step 12 a thousand times too large at every attempt (a device
+    wrong every time, which a replay on the same device cannot tell from the data). Computed again: suspicious again;
+    rank 0 computes rank 1's micro-batches from rank 1's random state (the same samples, weights and dropout) and gets
+    the ordinary loss: rank 1 named, step 12 not taken, the run saves and stops with 77, stopped.json naming rank 1;
+    the checkpoint of step 12 holds the weights of a clean run of 11 steps, bit for bit. (The other way, the data: every
+    launch of the suite meets real spikes of its tiny model, computed again and seen alike by another process; the
+    conftest fails any that names a process nobody made faulty.)"""
+    clean = tmp_path / "clean"
+    proc = run(recipe_args(small_data, clean, 11, *REPLAY, "--report_to", "none"), tmp_path, {}, config=config)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "faulty"
+    faults = {"rank": 1, "scale_loss": {"steps": [12], "by": 1000, "every": True}}
+    proc = run(recipe_args(small_data, out, 16, *REPLAY, "--report_to", "none"), tmp_path, faults, config=config, launcher=LAUNCH)
+    assert proc.returncode == SDC_EXIT_CODE, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("sdc: step 12 computed again")]
+    assert "; rank 0 computed rank 1's micro-batches to loss " in line or ": rank 0 computed rank 1's" in line, line
+    assert line.endswith(f"rank 1 computes wrong every time; the step is not taken; rank 1 is on {socket.gethostname()}"), line
+    record = json.loads((out / "stopped.json").read_text())
+    assert record["reason"] == "sdc" and record["step"] == 12 and record["ranks"] == [1], record
+    assert model_digests(out)[12] == model_digests(clean)[11]
