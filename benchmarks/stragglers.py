@@ -174,9 +174,47 @@ def main() -> None:
             print(f"  {arm:<15} {t:8.1f} samples/s   {t / free:.3f} of free   {t / ideal:.3f} of the ideal")
             if measured["shares"]:
                 print(f"  {'':<15} shares by window (rank: samples of a micro-step): {shares_line(measured['shares'])}")
+        if "free+rebalance" in arms and arms["free+rebalance"]["shares"]:
+            # what rebalancing costs where nothing is slow, in this run: its decisions' time against a window's, and
+            # the windows whose shares it moved off even (the only other work it adds)
+            uneven, windows = uneven_windows(arms["free+rebalance"]["shares"])
+            decide, window = deciding_seconds(), a.window * n * MICRO_BATCH / free
+            print(
+                f"  nothing slow, rebalancing: shares uneven in {uneven} of {windows} windows; its decisions "
+                f"{decide * 1e6:.0f} us a window of 64 processes = {decide / window:.4%} of a window of {a.window} steps here"
+            )
     if any(arm.endswith(("rebalance", "shares")) for arm in a.arms):
         plot(results, Path(a.png))
         print(f"shares over the run: {a.png}")
+
+
+def uneven_windows(shares: dict[int, list[tuple[int, float]]]) -> tuple[int, int]:
+    """Of a run's straggler windows, how many had shares other than even (the work of a plain run), and how many."""
+    by_window = list(zip(*(points for points in shares.values()), strict=True))
+    return sum(len({v for _, v in window}) > 1 for window in by_window), len(by_window)
+
+
+def deciding_seconds(processes: int = 64, windows: int = 200) -> float:
+    """What rebalancing adds to a window where nothing is slow, beside the detector's all-gather that runs under warn
+    too: its decisions (the speeds learnt, who cannot keep up, who reads ahead, the split), timed on equal processes
+    whose times differ by up to 5% at random; seconds a window."""
+    import random
+
+    from infra.health import deeper
+    from infra.shares import KeepingUp, Speeds, rebalanced
+
+    rng = random.Random(0)
+    speeds, keeping_up = Speeds(processes), KeepingUp(processes, 4.0, 3, 1)
+    sizes, depths = [MICRO_BATCH] * processes, [0] * processes
+    began = time.perf_counter()
+    for _ in range(windows):
+        seconds = [0.1 * (1 + 0.05 * rng.random()) for _ in range(processes)]
+        waits = [0.001 * rng.random() for _ in range(processes)]
+        speeds.measured(sizes, seconds)
+        keeping_up.behind(speeds, sizes, [])
+        deeper(depths, waits, seconds, 1)
+        sizes = rebalanced(sizes, speeds) or sizes
+    return (time.perf_counter() - began) / windows
 
 
 def median_run(runs: list[dict]) -> dict:
