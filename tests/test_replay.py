@@ -192,9 +192,14 @@ def test_a_transient_fault_under_a_sharded_engine_is_computed_again_and_the_run_
 
 
 @pytest.mark.slow  # 40 s each: out of the quick suite; CI runs DDP's after the matrix (make test-ci-slow)
-@pytest.mark.parametrize("config", [pytest.param("cpu.yaml", marks=pytest.mark.ci), "fsdp.yaml"], ids=["ddp", "fsdp2"])
+@pytest.mark.parametrize(
+    "config",
+    [pytest.param("cpu.yaml", marks=pytest.mark.ci), "fsdp.yaml", "zero2.yaml", "zero3.yaml"],
+    ids=["ddp", "fsdp2", "zero2", "zero3"],
+)
 def test_a_machine_wrong_every_time_is_told_from_the_data_by_another_process_and_left_out(config, small_data, tmp_path):
-    """Rank 1 of two computes its first micro-batch of step 12 a thousand times too large at every attempt (a device
+    """DDP, FSDP2, ZeRO-2 and ZeRO-3 (its step not taken: ZeRO's reduced gradients dropped, infra.zero_step). Rank 1 of
+    two computes its first micro-batch of step 12 a thousand times too large at every attempt (a device
     wrong every time, which a replay on the same device cannot tell from the data). Computed again: suspicious again;
     rank 0 computes rank 1's micro-batches from rank 1's random state (the same samples, weights and dropout) and gets
     the ordinary loss: rank 1 named, step 12 not taken, the run saves and stops with 77, stopped.json naming rank 1;
