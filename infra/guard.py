@@ -20,7 +20,7 @@ from infra.config import require
 from infra.data import DataCursor
 from infra.data.mixture import MixtureCursor
 from infra.errors import HealthError
-from infra.zero_step import deferrable
+from infra.zero_step import deferrable, scaler_skips_overflows
 
 
 def nonfinite(loss: torch.Tensor, grad_norm: torch.Tensor | float | None) -> torch.Tensor:
@@ -64,7 +64,7 @@ class NonFiniteGuard:
 
     def __init__(self, accelerator: Accelerator, config: NonFiniteConfig, checkpoints: CheckpointManager, verify_checksums: bool):
         self.accelerator, self.config, self.checkpoints, self.verify_checksums = accelerator, config, checkpoints, verify_checksums
-        self.fp16 = accelerator.scaler is not None
+        self.fp16 = scaler_skips_overflows(accelerator)
         self.in_a_row = 0
         self.note = (
             "counted; DeepSpeed already stepped, a rollback undoes it"

@@ -13,6 +13,12 @@ class Hooks:
         """The loss of the `batch`-th micro-batch since the run began (of `samples`), inside the timed forward pass."""
         return loss
 
+    def in_data(self, batch: int) -> float:
+        """What the data of the `batch`-th micro-batch since the run began does to its loss wherever it is computed,
+        as a factor (a test's poisoned samples: NaN; also when another process computes them: infra.replay's second
+        opinion)."""
+        return 1.0
+
     def on_read(self, samples: int) -> None:
         """As this process's loader reads a batch of its share (`samples`): inside the loop's timed wait for data, or in
         the thread that reads ahead (infra.data.ahead)."""
@@ -27,7 +33,8 @@ class Hooks:
         """After the passes of `step` (its gradients summed across processes), before clipping; again if it is computed again."""
 
     def before_optimizer_step(self, step: int, model: torch.nn.Module, grad_norm) -> None:
-        """After the backward passes and clipping of `step`, before the optimizer steps (DeepSpeed has stepped already)."""
+        """After the backward passes and clipping of `step`, before the optimizer steps (DeepSpeed without ZeRO has stepped
+        already)."""
 
     def on_update(self, step: int, model: torch.nn.Module, optimizer) -> None:
         """After the update of `step` (the optimizer stepped), on every rank."""

@@ -47,7 +47,7 @@ from accelerate.utils import DistributedType
 
 from infra.distributed import local
 from infra.sdc import bits, copies_of, disagreeing
-from infra.zero_step import deferrable
+from infra.zero_step import deferrable, scaler_skips_overflows
 
 HISTORY = 100  # kept steps whose largest loss and gradient norm a spike is measured against
 WARMUP = 10  # kept steps before spikes are looked for
@@ -123,7 +123,7 @@ class Replays:
         self.active = replay == "on" or (replay == "auto" and cannot_replay(accelerator, fault_tolerance) is None)
         # DDP: every process's copy of the summed gradients is the same (DeepSpeed's and FSDP's are shards)
         self.copies = self.active and accelerator.distributed_type != DistributedType.DEEPSPEED and copies_of(accelerator) is not None
-        self.fp16 = accelerator.scaler is not None  # its loss scaler's overflows are no spikes: the gradient norm not looked at
+        self.fp16 = scaler_skips_overflows(accelerator)  # its loss scaler's overflows are no spikes: the gradient norm not looked at
         self.losses: deque[float] = deque(maxlen=HISTORY)
         self.norms: deque[float] = deque(maxlen=HISTORY)
         self.counts = {"sdc/replays": 0, "sdc/transient_faults": 0, "sdc/replay_seconds": 0.0, "sdc/second_opinions": 0}

@@ -84,7 +84,10 @@ class Faults(Hooks):
             by = float(self.scale_loss.get("by", 1000.0))
             print(f"test fault: rank {self.rank} scaled its loss by {by:g} at step {step}", flush=True)
             loss = loss * by
-        return loss * float("nan") if batch in self.nan_batches else loss
+        return loss * self.in_data(batch)
+
+    def in_data(self, batch: int) -> float:
+        return float("nan") if batch in self.nan_batches else 1.0
 
     def on_read(self, samples: int) -> None:
         for seconds, first, last in self.slow_reads:

@@ -467,17 +467,18 @@ class Trainer:
         travel in one all-gather, only here."""
         acc, n = self.accelerator, self.accelerator.num_processes
         batches = [None if m.batch is None else to_device(m.batch, torch.device("cpu")) for m in micros]
+        data = [self.hooks.in_data(m.position) for m in micros]  # a test's poisoned samples poison them anywhere
         gathered: list = [None] * n
-        torch.distributed.all_gather_object(gathered, (before, batches))
-        theirs, their_batches = gathered[(acc.process_index - 1) % n]
+        torch.distributed.all_gather_object(gathered, (before, batches, data))
+        theirs, their_batches, their_data = gathered[(acc.process_index - 1) % n]
         mine = self.replays.before()
         self.replays.restore(theirs)
         loss = torch.zeros((), dtype=torch.float32, device=acc.device)
-        with torch.no_grad():
-            for batch in their_batches:  # as many on every process (a share of nothing: a stand-in, its loss not counted)
+        with torch.no_grad():  # as many passes on every process (a share of nothing: a stand-in, its loss not counted)
+            for batch, factor in zip(their_batches, their_data, strict=True):
                 out = self.job.loss(self.model, to_device(self.shares.stand_in() if batch is None else batch, acc.device), items)
                 if batch is not None:
-                    loss += out.loss.detach().float()
+                    loss += out.loss.detach().float() * factor
         self.replays.restore(mine)
         views = acc.gather(loss.reshape(1)).cpu().tolist()  # views[p]: process p's loss of process p - 1's micro-batches
         return [views[(r + 1) % n] for r in range(n)]

@@ -38,6 +38,14 @@ def deferrable(accelerator: Accelerator) -> str | None:
     return None
 
 
+def scaler_skips_overflows(accelerator: Accelerator) -> bool:
+    """fp16: a loss scaler skips a step whose gradients overflowed, and lowers its scale, by itself (accelerate's, or
+    DeepSpeed's own, inside the engine's step): such a step must still reach the optimizer's step, and its infinite
+    gradient norm is no fault."""
+    deepspeed_fp16 = accelerator.distributed_type == DistributedType.DEEPSPEED and accelerator.mixed_precision == "fp16"
+    return accelerator.scaler is not None or deepspeed_fp16
+
+
 class DeferredStep(DeepSpeedEngineWrapper):
     """accelerate's DeepSpeedEngineWrapper with the step left to the loop: backward reduces, `step` steps, `drop`
     forgets the reduced gradients (see the module's doc)."""
@@ -60,7 +68,9 @@ class DeferredStep(DeepSpeedEngineWrapper):
             norm = combine_grad_norm_groups(optimizer._get_norm_groups())
         else:
             norm = optimizer.scaled_global_norm()
-        return torch.as_tensor(norm, dtype=torch.float32) / optimizer.loss_scale
+        norm = torch.as_tensor(norm, dtype=torch.float32)
+        # ZeRO's norm helpers give -1 for a non-finite norm (an fp16 overflow, which its step then skips)
+        return torch.where(norm < 0, torch.inf, norm) / optimizer.loss_scale
 
     def step(self) -> None:
         self.engine.step()

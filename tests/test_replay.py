@@ -94,10 +94,10 @@ def test_a_spike_is_over_factor_times_the_largest_of_the_last_kept_steps_after_a
     assert Replays(plain, "auto", 0.0, "none", Counter()).spike(t(1e9), t(1e9)) is None  # factor 0: no spike check
 
     # where a step cannot be computed again: auto is off, `on` refused in one line
-    def deepspeed_zero(stage: int) -> SimpleNamespace:
-        plugin = SimpleNamespace(zero_stage=stage)
+    def deepspeed_zero(stage: int, precision: str = "no") -> SimpleNamespace:
+        state = SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=stage))
         return SimpleNamespace(
-            distributed_type=DistributedType.DEEPSPEED, scaler=None, num_processes=2, state=SimpleNamespace(deepspeed_plugin=plugin)
+            distributed_type=DistributedType.DEEPSPEED, scaler=None, num_processes=2, state=state, mixed_precision=precision
         )
 
     deepspeed, zero = deepspeed_zero(0), deepspeed_zero(2)  # ZeRO's step waits for the loop (infra.zero_step)
@@ -105,6 +105,10 @@ def test_a_spike_is_over_factor_times_the_largest_of_the_last_kept_steps_after_a
     assert not Replays(plain, "auto", 10.0, "replicas", Counter()).active
     # DDP's processes hold copies of the summed gradients, compared at each step; DeepSpeed's and one process's not
     assert Replays(plain, "auto", 10.0, "none", Counter()).copies and not Replays(zero, "on", 10.0, "none", Counter()).copies
+    # DeepSpeed's fp16: its own loss scaler skips an overflow inside the engine's step (no accelerate scaler)
+    assert (
+        Replays(deepspeed_zero(2, "fp16"), "auto", 10.0, "none", Counter()).fp16 and not Replays(zero, "auto", 10.0, "none", Counter()).fp16
+    )
     alone = SimpleNamespace(distributed_type=DistributedType.NO, scaler=None, num_processes=1)
     assert Replays(alone, "auto", 10.0, "none", Counter()).active and not Replays(alone, "auto", 10.0, "none", Counter()).copies
     assert replay_problem(deepspeed, "on", "none") == (
