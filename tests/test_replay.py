@@ -14,7 +14,7 @@ import torch
 from accelerate.utils import DistributedType
 
 from infra.config import ConfigError
-from infra.replay import WARMUP, Attempt, Passes, Replays, float_bits, judged, replay_problem, suspicion
+from infra.replay import WARMUP, Attempt, Passes, Replays, Verdict, float_bits, judged, replay_problem, suspicion
 from infra.sdc import SDC_EXIT_CODE, SdcConfig, exact_halves, whole
 from tests.test_health import run
 from tests.test_pretrain import assert_same_weights, global_sequence, recipe_args
@@ -52,6 +52,40 @@ def test_a_step_no_longer_suspicious_names_the_process_whose_result_changed_and_
     assert suspicion([same, pair((3.5, 3.5), suspect=(True, False))]) == "rank 1: loss 3.5, gradient norm 12"
     flat = pair((3.5, 2.0))[0].flat()
     assert Attempt.of(flat) == pair((3.5, 2.0))[0] and Attempt.of(Attempt(1, 2, True, False, 1.5, None).flat()).norm is None
+
+
+def test_a_second_opinion_names_a_suspect_whose_loss_another_device_computed_differently_and_nothing_else():
+    """Replays.second_opinion: a suspect's own loss (its second attempt) against the next process's computation of its
+    micro-batches. Another loss there, not suspicious there: a machine wrong every time, named twice, the step not
+    taken; the same loss (the last bits aside), or another that is itself non-finite or a spike: the data."""
+    plain = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, scaler=None, num_processes=3)
+
+    def opinion(losses: list[float], views: list[float], suspects: list[int], kept: float | None = 2.0):
+        replays = Replays(plain, "auto", 10.0, "none", Counter())
+        for _ in range(WARMUP if kept is not None else 0):
+            replays.kept(Passes(torch.tensor(kept), None, None))
+        verdict = Verdict(12, [], "suspicious again: the data or the model, not the machine", False, "", suspects, losses)
+        return replays, replays.second_opinion(verdict, views)
+
+    replays, verdict = opinion([2.1, 2100.0, 2.0], [2.1, 2.2, 2.0], [0, 1, 2])
+    assert verdict.named == [1] and verdict.withdrawn and replays.twice == [1] and replays.named[1] == 2
+    told = "rank 2 computed rank 1's micro-batches to loss 2.2, rank 1 to 2100 twice"
+    assert verdict.finding == f"{told}: rank 1 computes wrong every time; the step is not taken"
+    assert replays.counts["sdc/second_opinions"] == 1
+    for losses, views in (
+        ([2.1, 2100.0, 2.0], [2.1, 2100.0 * (1 + 1e-6), 2.0]),  # alike but for the last bits: the data
+        ([2.1, float("nan"), 2.0], [2.1, float("nan"), 2.0]),  # NaN on both devices: the data
+        ([2.1, 2100.0, 2.0], [2.1, 900.0, 2.0]),  # another loss, but a spike there too: not told apart, the data
+    ):
+        replays, verdict = opinion(losses, views, [1])
+        assert verdict.named == [] and not verdict.withdrawn and not replays.twice, (losses, views)
+        assert verdict.finding.startswith("suspicious again: the data or the model, not the machine (rank 2 computed rank 1's")
+    # a non-finite loss on one device and a finite one on the other, before any step was kept (no spike measured yet)
+    _, verdict = opinion([float("nan"), 2.0, 2.0], [2.0, 2.0, 2.0], [0], kept=None)
+    assert verdict.named == [0] and verdict.withdrawn and "rank 1 computed rank 0's micro-batches to loss 2" in verdict.finding
+    # a suspect through the summed gradients' norm alone (its own loss computed alike elsewhere): nobody
+    _, verdict = opinion([2.1, 2.0, 2.0], [2.1, 2.0, 2.0], [0, 1, 2])
+    assert verdict.named == [] and not verdict.withdrawn
 
 
 def test_copies_of_the_summed_gradients_apart_name_the_process_that_changed_or_that_is_apart_again():
