@@ -153,6 +153,17 @@ def gathered(accelerator: Accelerator, value):
     return out
 
 
+def resharded(model: torch.nn.Module) -> None:
+    """Every FSDP2 unit of `model` back to its shards. A forward pass with no backward after it (under no_grad, before
+    the optimizer steps) leaves the root unit's parameters gathered, as FSDP2 keeps them for the backward it expects:
+    the next forward would then compute with them, the values from before the step."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This process's part of `tensor` (the tensor itself unless sharded: FSDP2's DTensor), writable in place."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor

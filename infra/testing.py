@@ -5,8 +5,10 @@ The launch tests start real recipes, so the faults travel in the environment:
 - `INFRA_TEST_FAULTS` holds JSON such as `{"rank": 1, "nan_batches": [5, 11], "slow_seconds": 0.2,
   "hang_at_step": 6, "die_at_step": 7}`. `nan_batches` poison the loss at those global micro-batches since
   the run began (a property of the data position, so a rollback that moves past them does not meet them
-  again); the others act on `rank` only: a slower forward pass, a rank that stops forever at a step, or one
-  that dies at a step (in the first incarnation of the group only, so that an elastic restart gets past it).
+  again; wherever they are computed: infra.replay's second opinion too); `"spike_batches": {"batches": [25],
+  "by": 1000.0}` multiply it (the data's spike, not a machine's); the others act on `rank` only: a slower forward
+  pass, a rank that stops forever at a step, or one that dies at a step (in the first incarnation of the group only,
+  so that an elastic restart gets past it).
   `"slow_per_sample": [seconds, first, last]`: a forward pass slower by `seconds` a sample of its micro-batch, from
   micro-batch `first` through `last` since the run began (a slow process, whose time grows with its share).
   `"slow_steps": [[seconds, first, last], ...]`: the same by steps, `first` through `last` (the step after the last one
@@ -53,6 +55,8 @@ class Faults(Hooks):
         self.rank, self.grads_dir = rank, grads_dir
         active = spec.get("rank", 1) in (rank, "all")
         self.nan_batches = set(spec.get("nan_batches", [])) if active else set()
+        spike = dict(spec.get("spike_batches", {})) if active else {}
+        self.spike_batches, self.spike_by = set(spike.get("batches", [])), float(spike.get("by", 1000.0))
         self.slow_seconds = float(spec.get("slow_seconds", 0)) if active else 0.0
         self.slow_per_sample = tuple(spec.get("slow_per_sample", (0.0, 0, 0))) if active else (0.0, 0, 0)
         self.slow_steps = [tuple(phase) for phase in spec.get("slow_steps", [])] if active else []
@@ -87,7 +91,9 @@ class Faults(Hooks):
         return loss * self.in_data(batch)
 
     def in_data(self, batch: int) -> float:
-        return float("nan") if batch in self.nan_batches else 1.0
+        if batch in self.nan_batches:
+            return float("nan")
+        return self.spike_by if batch in self.spike_batches else 1.0
 
     def on_read(self, samples: int) -> None:
         for seconds, first, last in self.slow_reads:

@@ -56,7 +56,7 @@ from infra.data import Data, DataArguments, SampleTrace, eval_batches
 from infra.data.errors import DataError
 from infra.data.steps import EvenShares, Micro, SplitShares
 from infra.data.stream import named_parts, training_stream
-from infra.distributed import LaunchError, ready_for_fsdp
+from infra.distributed import LaunchError, ready_for_fsdp, resharded
 from infra.environment import environment_facts
 from infra.export import Exporter
 from infra.goodput import Goodput, summary
@@ -479,6 +479,7 @@ class Trainer:
                 out = self.job.loss(self.model, to_device(self.shares.stand_in() if batch is None else batch, acc.device), items)
                 if batch is not None:
                     loss += out.loss.detach().float() * factor
+        resharded(self.model)  # no backward follows these forwards: FSDP2's root would keep its pre-step parameters
         self.replays.restore(mine)
         views = acc.gather(loss.reshape(1)).cpu().tolist()  # views[p]: process p's loss of process p - 1's micro-batches
         return [views[(r + 1) % n] for r in range(n)]

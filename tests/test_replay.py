@@ -257,3 +257,25 @@ def test_a_machine_wrong_every_time_is_told_from_the_data_by_another_process_and
     record = json.loads((out / "stopped.json").read_text())
     assert record["reason"] == "sdc" and record["step"] == 12 and record["ranks"] == [1], record
     assert model_digests(out)[12] == model_digests(clean)[11]
+
+
+@pytest.mark.slow  # 50 s each: out of the quick suite; CI runs FSDP2's after the matrix (make test-ci-slow)
+@pytest.mark.parametrize("config", [pytest.param("fsdp.yaml", marks=pytest.mark.ci), "zero3.yaml"], ids=["fsdp2", "zero3"])
+def test_a_step_computed_again_and_given_a_second_opinion_changes_nothing_after_it(config, small_data, tmp_path):
+    """The data's spike: rank 1's first micro-batch of step 13 has a loss 1000 times too large wherever it is computed.
+    With sdc_replay on, step 13 is computed again, suspicious again, and rank 0 computes rank 1's micro-batches to the
+    same loss (the data, not the machine): the step is kept. With sdc_replay off it is simply taken. The runs go on to
+    step 16 and end with the same weights bit for bit: the passes computed again and the second opinion's forward
+    passes leave nothing behind (found: FSDP2 kept its root unit's parameters gathered after those forwards, which have
+    no backward, so every later step computed with the values from before step 13's update; now resharded)."""
+    outs = {}
+    for replay in ("auto", "off"):
+        out = tmp_path / replay / "out"
+        args = recipe_args(small_data, out, 16, "--attention_dropout", "0.1", "--report_to", "none", "--sdc_replay", replay)
+        proc = run(args, tmp_path / replay, {"rank": 1, "spike_batches": {"batches": [25], "by": 1000}}, config=config)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outs[replay] = (out, proc.stdout)
+    line = next(line for line in outs["auto"][1].splitlines() if line.startswith("sdc: step 13 computed again"))
+    assert "suspicious again: the data or the model, not the machine (" in line, line
+    assert "rank 0 computed rank 1's micro-batches alike" in line and "computes wrong" not in line, line
+    assert_same_weights(outs["auto"][0], outs["off"][0])
