@@ -50,8 +50,9 @@ class DeferredStep(DeepSpeedEngineWrapper):
     """accelerate's DeepSpeedEngineWrapper with the step left to the loop: backward reduces, `step` steps, `drop`
     forgets the reduced gradients (see the module's doc)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, stage: int):
         super().__init__(engine)
+        self.stage = stage  # ZeRO's: 3 keeps its gradients in other buffers than 1 and 2
         self.pending = False  # a boundary's reduced gradients not yet stepped or dropped
 
     def backward(self, loss: torch.Tensor, sync_gradients: bool = True, **kwargs) -> None:
@@ -62,7 +63,7 @@ class DeferredStep(DeepSpeedEngineWrapper):
     def get_global_grad_norm(self) -> torch.Tensor:
         """The reduced gradients' global norm before the step (ZeRO's sum over every process's partition)."""
         optimizer = self.engine.optimizer
-        if zero_stage_of(optimizer) == 3:
+        if self.stage == 3:
             from deepspeed.runtime.utils import combine_grad_norm_groups
 
             norm = combine_grad_norm_groups(optimizer._get_norm_groups())
@@ -79,7 +80,7 @@ class DeferredStep(DeepSpeedEngineWrapper):
     def drop(self) -> None:
         """The reduced gradients forgotten without a step: what ZeRO's step does on an fp16 overflow."""
         optimizer = self.engine.optimizer
-        if zero_stage_of(optimizer) == 3:
+        if self.stage == 3:
             optimizer.zero_grad(set_to_none=True)  # its micro-step back to 0: the next backward copies, not adds
             optimizer._overflow_clean_up(optimizer.loss_scale)
             for bucket in optimizer.ipg_buckets.values():
@@ -97,12 +98,6 @@ class DeferredStep(DeepSpeedEngineWrapper):
                     optimizer.all_grad_tensors[group] = None
             optimizer.micro_step_id = INITIAL_MICRO_STEP_ID
         self.pending = False
-
-
-def zero_stage_of(optimizer) -> int:
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-
-    return 3 if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3) else 2
 
 
 class DeferredOptimizer(DeepSpeedOptimizerWrapper):
@@ -125,7 +120,7 @@ def defer_zero_step(accelerator: Accelerator, optimizer):
     of `optimizer` (accelerate's, which it replaces in the accelerator's list too). Else `optimizer`, unchanged."""
     if accelerator.distributed_type != DistributedType.DEEPSPEED or deferrable(accelerator):
         return optimizer
-    deferred = DeferredStep(accelerator.deepspeed_engine_wrapped.engine)
+    deferred = DeferredStep(accelerator.deepspeed_engine_wrapped.engine, zero_stage(accelerator))
     accelerator.deepspeed_engine_wrapped = deferred
     held = DeferredOptimizer(optimizer.optimizer, deferred)
     accelerator._optimizers = [held if o is optimizer else o for o in accelerator._optimizers]
