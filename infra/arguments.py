@@ -30,6 +30,15 @@ class LoopConfig:
 
     output_dir: str = field(default="runs/default", metadata={"help": "Where checkpoints, the exported model and logs go."})
     seed: int = field(default=42, metadata={"help": "Seed for model init, data order and dropout."})
+    full_determinism: bool = field(
+        default=False,
+        metadata={
+            "help": "PyTorch's deterministic algorithms in every kernel (transformers' enable_full_determinism, as its "
+            "Trainer's flag of this name): runs repeat bit for bit where kernels would add in an order that varies, e.g. "
+            "inductor's scatter-adds on a CPU with several threads a process, or atomics on a GPU. Slower; an operation "
+            "without a deterministic kernel stops the run."
+        },
+    )
     max_steps: int = field(default=200, metadata={"help": "Optimizer steps to train for."})
     per_device_train_batch_size: int = field(default=8, metadata={"help": "Samples per process per micro-step."})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-steps per optimizer step."})

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from transformers.trainer_utils import enable_full_determinism
 
 from infra.accelerator import build_accelerator
 from infra.config import require
@@ -178,7 +179,10 @@ def start(args: TrainingArguments) -> Accelerator:
     # LaunchError; ConfigError for what depends on the launch (global_batch_size against the processes started)
     accelerator, precision = build_accelerator(args, log_with, dynamo_plugin(args))
     accelerator.print(precision)
-    set_seed(args.seed)
+    if args.full_determinism:
+        enable_full_determinism(args.seed)  # set_seed, then deterministic algorithms (and the variables GPUs need)
+    else:
+        set_seed(args.seed)
     return accelerator
 
 

@@ -152,6 +152,7 @@ FROZEN_SURFACE = {
     "TrainingArguments": {
         "output_dir": "runs/default",
         "seed": 42,
+        "full_determinism": False,
         "max_steps": 200,
         "per_device_train_batch_size": 8,
         "gradient_accumulation_steps": 1,
