@@ -22,7 +22,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -361,15 +360,6 @@ def test_each_run_of_the_matrix_resumes_as_it_ran_or_is_refused_in_one_line(case
     check(case, inputs, tmp_path, upload)
 
 
-if __name__ == "__main__":
-    cases = covering_array()
-    width = {f: max(len(f), *(len(str(v)) for v in vals)) for f, vals in FACTORS.items()}
-    print("  ".join(f.ljust(width[f]) for f in FACTORS))
-    for c in cases:
-        print("  ".join(str(v).ljust(width[f]) for f, v in zip(FACTORS, c, strict=True)), "  refused" if refusal(c._asdict()) else "")
-    print(f"{len(cases)} runs; every pair of values of two factors in at least one")
-
-
 @pytest.mark.slow  # a minute: beside the matrix, not in CI
 @pytest.mark.multiprocess
 def test_a_compiled_run_of_several_threads_a_process_resumes_bit_for_bit_with_full_determinism(inputs, tmp_path, monkeypatch):
@@ -377,5 +367,14 @@ def test_a_compiled_run_of_several_threads_a_process_resumes_bit_for_bit_with_fu
     process of two threads, two fp32 runs alike ended 1.2e-7 apart, every loss equal (measured on the Xeon; one thread a
     process, or the aot_eager backend, repeated bit for bit). full_determinism makes inductor use ATen's deterministic
     kernels there: the matrix's comparison of this run (not in its array) holds bit for bit."""
-    monkeypatch.setattr(sys.modules[__name__], "EXTRA_ARGUMENTS", ["--full_determinism", "true"])
+    monkeypatch.setattr(f"{__name__}.EXTRA_ARGUMENTS", ["--full_determinism", "true"])
     check(Case("zero3", "mixture", "compile", "kill9", "sync", 1, "fp32", "same"), inputs, tmp_path, None)
+
+
+if __name__ == "__main__":
+    cases = covering_array()
+    width = {f: max(len(f), *(len(str(v)) for v in vals)) for f, vals in FACTORS.items()}
+    print("  ".join(f.ljust(width[f]) for f in FACTORS))
+    for c in cases:
+        print("  ".join(str(v).ljust(width[f]) for f, v in zip(FACTORS, c, strict=True)), "  refused" if refusal(c._asdict()) else "")
+    print(f"{len(cases)} runs; every pair of values of two factors in at least one")
