@@ -36,7 +36,7 @@ class LoopConfig:
             "help": "PyTorch's deterministic algorithms in every kernel (transformers' enable_full_determinism, as its "
             "Trainer's flag of this name): runs repeat bit for bit where kernels would add in an order that varies, e.g. "
             "inductor's scatter-adds on a CPU with several threads a process, or atomics on a GPU. Slower; an operation "
-            "without a deterministic kernel stops the run."
+            "without a deterministic kernel stops the run with PyTorch's error naming it."
         },
     )
     max_steps: int = field(default=200, metadata={"help": "Optimizer steps to train for."})
