@@ -19,6 +19,7 @@ from infra.optim import OptimizerConfig
 from infra.precision import PrecisionConfig
 from infra.preemption import PreemptionConfig
 from infra.preflight import PreflightConfig
+from infra.reduction import ReductionConfig
 from infra.replicas import ReplicaConfig
 from infra.sdc import SdcConfig
 from infra.tracking import TrackingConfig
@@ -90,6 +91,7 @@ class TrainingArguments(
     SaveClockConfig,
     PrecisionConfig,
     OptimizerConfig,
+    ReductionConfig,
     LeverConfig,
     LoopConfig,
 ):

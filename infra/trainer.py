@@ -76,6 +76,7 @@ from infra.optim import build_optimizer, build_scheduler
 from infra.preemption import Preemption, clear_stop_record, write_stop_record
 from infra.preflight import run_preflight
 from infra.recipe import attention_of
+from infra.reduction import sum_in_rank_order
 from infra.replay import Passes, Replays, replay_problem
 from infra.sdc import SDC_EXIT_CODE, Copies, Mismatch, describe, sdc_problem
 from infra.shares import KeepingUp, Seat, Speeds, rebalanced
@@ -184,6 +185,7 @@ class Trainer:
         self.loader, self.cursor = build_loader(acc, job.data, data_args, args)
         self.loader.on_read = self.hooks.on_read  # a test's slow disk, where the batches are read (a read-ahead's thread)
         self.model, self.optimizer = acc.prepare(job.model, optimizer)
+        sum_in_rank_order(self.model, args.gradient_sum)  # DDP: one order of summation at every step of every launch
         self.optimizer = defer_zero_step(acc, self.optimizer)  # ZeRO: its step after the agreement (infra.zero_step)
         if has_frozen_parameters(acc):  # LoRA: checkpoints hold the adapter (and its optimizer state) only
             keep_trainable_only(acc)

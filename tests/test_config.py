@@ -171,6 +171,7 @@ FROZEN_SURFACE = {
         "torch_compile": False,
         "torch_compile_mode": "default",
         "torch_compile_backend": "inductor",
+        "gradient_sum": "rank_ordered",
         "learning_rate": 0.001,
         "warmup_steps": 20,
         "min_lr_ratio": 0.1,

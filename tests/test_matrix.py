@@ -4,7 +4,7 @@ Eight factors, each with its values (FACTORS). covertable generates runs in whic
 factors meets at least once, under CONSTRAINTS (combinations that mean nothing: packed data is the SFT recipe's; LoRA is
 a fine-tuning recipe's). `python -m tests.test_matrix` prints the array. Each run, on tiny data and a tiny model:
 
-- trains, is interrupted by its fault, resumes (on the same number of processes, or on the other), and ends as an
+- trains, is interrupted by its fault, resumes (on the same number of processes, or on another: OTHER), and ends as an
   uninterrupted run of the same combination did: bit for bit on the same number of processes, else every logged loss
   within LOSS_TOLERANCE of it; in both cases the samples are those of the uninterrupted run, each once, in its order;
 - or is refused before anything is written, in one line naming the two settings that conflict (REFUSED, also listed in
@@ -41,7 +41,7 @@ FACTORS = OrderedDict(
     lever=["none", "activation_checkpointing", "compile", "lora"],
     fault=["none", "non_finite", "sigterm", "kill9"],
     save=["sync", "async", "upload"],
-    processes=[2, 1],
+    processes=[4, 2, 1],  # 4: sums of several terms, whose order a resume must keep (2 hide it: a + b)
     precision=["bf16", "fp32"],
     resume=["same", "other"],
 )
@@ -51,6 +51,7 @@ STEPS = 12  # per run; checkpoints every SAVE_STEPS
 SAVE_STEPS = 4
 STOP = 8  # where a run without a fault is stopped (max_steps) before it is resumed
 SAMPLES_PER_STEP = 8  # 2 per micro-batch on every process, the accumulation 4 / processes: within the first epoch
+OTHER = {4: 2, 2: 1, 1: 4}  # the number of processes a run resumes on with resume=other
 LOSS_TOLERANCE = 6e-3  # relative, per step, on another number of processes (the sums' order): tests/test_elastic.py's
 
 
@@ -297,7 +298,7 @@ def interrupted_and_resumed(case: Case, inputs: dict, tmp_path: Path, upload: st
         assert "computed another loss: a transient fault in its forward pass; the step computed again is kept" in first.stdout
     if case.save == "async" and case.engine != "ddp":  # said once, not silently ignored
         assert first.stdout.count("saves synchronously here (background saves: DDP or one process)") == 1
-    after = case.processes if case.resume == "same" else 3 - case.processes
+    after = case.processes if case.resume == "same" else OTHER[case.processes]
     # the bad micro-batches are behind it (counted on another number of processes they would be other ones)
     second = run(case, inputs, tmp_path / "run", STEPS, after, upload and f"{upload}/run", faults(case._replace(fault="none")))
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-5000:]
