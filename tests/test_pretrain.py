@@ -436,6 +436,31 @@ def test_three_processes_resume_and_restart_in_the_job_bit_for_bit(small_data, t
             assert trace(out, rank) == trace(tmp_path / "straight", rank)
 
 
+@pytest.mark.slow  # about four minutes on 2 cores (32 processes start up at once): make test-slow, not CI
+def test_thirty_two_processes_restarted_in_the_job_end_as_the_uninterrupted_run(small_data, tmp_path):
+    """The seed's scale once, on one machine: 32 DDP processes (about 250 MB each), one sample each a step; a worker
+    killed after the checkpoint of step 4 is restarted by python -m infra.launch in the same job, which ends with the
+    uninterrupted 32-process run's weights and samples, bit for bit."""
+    scale = ("--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "1", "--logging_steps", "4")
+    straight = launch("cpu.yaml", recipe_args(small_data, tmp_path / "straight", 8, *scale), tmp_path, timeout=900, num_processes=32)
+    assert straight.returncode == 0 and "world size 32" in straight.stdout
+    cmd, env = launch_command(
+        "cpu.yaml",
+        recipe_args(small_data, tmp_path / "restarted", 8, *scale),
+        tmp_path,
+        num_processes=32,
+        launcher=(str(BIN / "python"), "-m", "infra.launch"),
+        launcher_args=("--max_restarts", "1"),
+    )
+    env[FAULTS_ENV] = json.dumps({"rank": 17, "die_at_step": 6})
+    proc = run_launch(cmd, env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "test fault: rank dies at step 6" in proc.stdout and "resumed at step 4" in proc.stdout
+    assert_same_weights(tmp_path / "straight", tmp_path / "restarted")
+    for rank in range(32):
+        assert trace(tmp_path / "restarted", rank) == trace(tmp_path / "straight", rank)
+
+
 # Torch elastic's restarted gloo groups used to hang or refuse their first collective; with lazy gloo init they do not
 # (test_elastic_restarts_stress: 10 of 10). CI restarts in the job over two hosts (tests/test_network.py).
 @pytest.mark.slow
