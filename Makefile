@@ -103,7 +103,7 @@ compare: setup  ## table of an experiment's runs and a PNG of their loss curves 
 plan: setup  ## capacity and checkpoint-interval plan (ARGS="--gpus 64 --per_gpu_batch 32 --step_seconds 1.2 --checkpoint_minutes 2 --simulate")
 	$(BIN)/python -m infra.plan $(ARGS)
 
-bench: data  ## benchmarks, as ratios to anchors measured in the same run (data, checkpoints, uploads, recipe overhead, packing, levers, bf16 against fp32, a slow host, the copies' checks)
+bench: data  ## benchmarks, as ratios to anchors measured in the same run (data, checkpoints, uploads, recipe overhead, packing, levers, bf16 against fp32, DDP's sum in rank order, a slow host, the copies' checks)
 	$(BIN)/python benchmarks/data_pipeline.py
 	$(BIN)/python benchmarks/checkpoint_cost.py
 	$(BIN)/python benchmarks/checkpoint_remote.py
@@ -111,6 +111,7 @@ bench: data  ## benchmarks, as ratios to anchors measured in the same run (data,
 	$(BIN)/python benchmarks/packing.py
 	$(BIN)/python benchmarks/levers.py
 	$(BIN)/python benchmarks/precision.py
+	$(BIN)/python benchmarks/reduction.py
 	$(BIN)/python benchmarks/stragglers.py --if_possible
 	$(BIN)/python benchmarks/sdc.py
 

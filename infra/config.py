@@ -37,6 +37,13 @@ def require(ok: bool, name: str, value: Any, accepted: str) -> None:
 class _Parser(HfArgumentParser):
     """HfArgumentParser whose errors are exceptions rather than a usage dump and exit."""
 
+    def add_argument(self, *names, **kwargs):
+        """A help text is prose: its `%` ("over 5% of its time") is a percent sign, not one of argparse's format codes
+        (which would make `--help` raise), but for argparse's own `%(default)s` and the like."""
+        if isinstance(kwargs.get("help"), str):
+            kwargs["help"] = re.sub(r"%(?!\()", "%%", kwargs["help"])
+        return super().add_argument(*names, **kwargs)
+
     def error(self, message):
         message = re.sub(r"argument --(\w+)/--[\w-]+", r"argument --\1", message)
         bad_type = re.fullmatch(r"argument --(\w+): invalid (\w+) value: (.*)", message)
