@@ -37,6 +37,12 @@ def require(ok: bool, name: str, value: Any, accepted: str) -> None:
 class _Parser(HfArgumentParser):
     """HfArgumentParser whose errors are exceptions rather than a usage dump and exit."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # argparse takes `-1e-3` for a flag (its pattern of negative numbers has no exponent): `--learning_rate -1e-3`
+        # then said "expected one argument" instead of naming the value
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
     def add_argument(self, *names, **kwargs):
         """A help text is prose: its `%` ("over 5% of its time") is a percent sign, not one of argparse's format codes
         (which would make `--help` raise), but for argparse's own `%(default)s` and the like."""

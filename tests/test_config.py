@@ -283,3 +283,10 @@ def test_min_machines_is_checked_before_the_launch(argv, expected):
 
     assert elastic_problem(argv) == expected
     assert without(["--min_machines", "1", "--a", "b", "--min_machines=1", "c"], "--min_machines") == ["--a", "b", "c"]
+
+
+@pytest.mark.parametrize("value", ["-1e-3", "-2.5E+2", "-.5", "-3"])
+def test_a_negative_number_is_a_value_in_any_notation(value):
+    """argparse's own pattern of negative numbers has no exponent: `--learning_rate -1e-3` said "expected one argument"."""
+    with pytest.raises(ConfigError, match=f"^learning_rate={float(value)!r} is not valid: expected a number > 0$"):
+        _parse((TrainingArguments,), ["--learning_rate", value])

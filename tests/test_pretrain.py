@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from infra.checkpoint import read_manifest, share
 from infra.data import PackedDataset
 from infra.data.loader import EpochOrder
+from infra.distributed import FSDP_ON_CPU_ENV
 from infra.testing import FAULTS_ENV, PAUSE_ENV
 from tests.conftest import BIN, REPO, free_port, launch, launch_command, run_launch
 
@@ -434,6 +435,23 @@ def test_three_processes_resume_and_restart_in_the_job_bit_for_bit(small_data, t
         assert_same_weights(tmp_path / "straight", out)
         for rank in range(3):
             assert trace(out, rank) == trace(tmp_path / "straight", rank)
+
+
+@pytest.mark.slow  # about two minutes each: make test-slow (the matrix resumes every engine at 4 processes in CI)
+@pytest.mark.parametrize("config", ["zero2.yaml", "zero3.yaml", "fsdp.yaml"])
+def test_three_processes_resume_bit_for_bit_under_each_sharded_engine(config, small_data, tmp_path):
+    """ZeRO-2, ZeRO-3 and FSDP2 at 3 processes, where their reduce-scatters add three terms: a launch stopped at the
+    checkpoint of step 4 and launched again ends with the uninterrupted run's weights and samples, bit for bit."""
+    kw = {"num_processes": 3, "env": {FSDP_ON_CPU_ENV: "1"}}
+    straight = launch(config, recipe_args(small_data, tmp_path / "straight", 8), tmp_path, **kw)
+    assert straight.returncode == 0 and "world size 3" in straight.stdout
+    resumed = tmp_path / "resumed"
+    assert launch(config, recipe_args(small_data, resumed, 4), tmp_path, **kw).returncode == 0
+    second = launch(config, recipe_args(small_data, resumed, 8), tmp_path, **kw)
+    assert second.returncode == 0 and "resumed at step 4" in second.stdout
+    assert_same_weights(tmp_path / "straight", resumed)
+    for rank in range(3):
+        assert trace(resumed, rank) == trace(tmp_path / "straight", rank)
 
 
 @pytest.mark.slow  # about four minutes on 2 cores (32 processes start up at once): make test-slow, not CI
