@@ -418,26 +418,30 @@ def test_three_processes_resume_and_restart_in_the_job_bit_for_bit(small_data, t
     assert second.returncode == 0 and f"resumed at step {STEPS}" in second.stdout
 
     restarted = tmp_path / "restarted"
-    cmd, env = launch_command(
-        "cpu.yaml",
-        recipe_args(small_data, restarted, 2 * STEPS),
-        tmp_path,
-        num_processes=3,
-        launcher=(str(BIN / "python"), "-m", "infra.launch"),
-        launcher_args=("--max_restarts", "1"),
-    )
-    env[FAULTS_ENV] = json.dumps({"rank": 2, "die_at_step": 10})
-    proc = run_launch(cmd, env, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "test fault: rank dies at step 10" in proc.stdout and "resumed at step 8" in proc.stdout
-
+    restart_in_the_job(recipe_args(small_data, restarted, 2 * STEPS), tmp_path, 3, rank=2, die_at_step=10, resumed_at=8)
     for out in (relaunched, restarted):
-        assert_same_weights(tmp_path / "straight", out)
-        for rank in range(3):
-            assert trace(out, rank) == trace(tmp_path / "straight", rank)
+        assert_same_run(tmp_path / "straight", out, 3)
 
 
-@pytest.mark.slow  # about two minutes each: make test-slow (the matrix resumes every engine at 4 processes in CI)
+def restart_in_the_job(args: list[str], tmp_path: Path, processes: int, rank: int, die_at_step: int, resumed_at: int) -> None:
+    """A launch by python -m infra.launch --max_restarts 1 whose `rank` dies once, at `die_at_step`: it must recover in
+    the same job, from the checkpoint of `resumed_at`."""
+    launcher = (str(BIN / "python"), "-m", "infra.launch")
+    cmd, env = launch_command("cpu.yaml", args, tmp_path, num_processes=processes, launcher=launcher, launcher_args=("--max_restarts", "1"))
+    env[FAULTS_ENV] = json.dumps({"rank": rank, "die_at_step": die_at_step})
+    proc = run_launch(cmd, env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"test fault: rank dies at step {die_at_step}" in proc.stdout and f"resumed at step {resumed_at}" in proc.stdout
+
+
+def assert_same_run(a: Path, b: Path, processes: int) -> None:
+    """The same final weights and, on every rank, the same samples at every step."""
+    assert_same_weights(a, b)
+    for rank in range(processes):
+        assert trace(b, rank) == trace(a, rank)
+
+
+@pytest.mark.slow  # about a minute each: make test-slow (the matrix resumes every engine at 4 processes in CI)
 @pytest.mark.parametrize("config", ["zero2.yaml", "zero3.yaml", "fsdp.yaml"])
 def test_three_processes_resume_bit_for_bit_under_each_sharded_engine(config, small_data, tmp_path):
     """ZeRO-2, ZeRO-3 and FSDP2 at 3 processes, where their reduce-scatters add three terms: a launch stopped at the
@@ -449,12 +453,10 @@ def test_three_processes_resume_bit_for_bit_under_each_sharded_engine(config, sm
     assert launch(config, recipe_args(small_data, resumed, 4), tmp_path, **kw).returncode == 0
     second = launch(config, recipe_args(small_data, resumed, 8), tmp_path, **kw)
     assert second.returncode == 0 and "resumed at step 4" in second.stdout
-    assert_same_weights(tmp_path / "straight", resumed)
-    for rank in range(3):
-        assert trace(resumed, rank) == trace(tmp_path / "straight", rank)
+    assert_same_run(tmp_path / "straight", resumed, 3)
 
 
-@pytest.mark.slow  # about four minutes on 2 cores (32 processes start up at once): make test-slow, not CI
+@pytest.mark.slow  # five minutes on 2 cores (32 processes start up at once): make test-slow, not CI
 def test_thirty_two_processes_restarted_in_the_job_end_as_the_uninterrupted_run(small_data, tmp_path):
     """The seed's scale once, on one machine: 32 DDP processes (about 250 MB each), one sample each a step; a worker
     killed after the checkpoint of step 4 is restarted by python -m infra.launch in the same job, which ends with the
@@ -462,21 +464,8 @@ def test_thirty_two_processes_restarted_in_the_job_end_as_the_uninterrupted_run(
     scale = ("--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "1", "--logging_steps", "4")
     straight = launch("cpu.yaml", recipe_args(small_data, tmp_path / "straight", 8, *scale), tmp_path, timeout=900, num_processes=32)
     assert straight.returncode == 0 and "world size 32" in straight.stdout
-    cmd, env = launch_command(
-        "cpu.yaml",
-        recipe_args(small_data, tmp_path / "restarted", 8, *scale),
-        tmp_path,
-        num_processes=32,
-        launcher=(str(BIN / "python"), "-m", "infra.launch"),
-        launcher_args=("--max_restarts", "1"),
-    )
-    env[FAULTS_ENV] = json.dumps({"rank": 17, "die_at_step": 6})
-    proc = run_launch(cmd, env, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "test fault: rank dies at step 6" in proc.stdout and "resumed at step 4" in proc.stdout
-    assert_same_weights(tmp_path / "straight", tmp_path / "restarted")
-    for rank in range(32):
-        assert trace(tmp_path / "restarted", rank) == trace(tmp_path / "straight", rank)
+    restart_in_the_job(recipe_args(small_data, tmp_path / "restarted", 8, *scale), tmp_path, 32, rank=17, die_at_step=6, resumed_at=4)
+    assert_same_run(tmp_path / "straight", tmp_path / "restarted", 32)
 
 
 # Torch elastic's restarted gloo groups used to hang or refuse their first collective; with lazy gloo init they do not
