@@ -63,9 +63,8 @@ def rank_ordered_hook(group: dist.ProcessGroup | None, bucket: dist.GradBucket) 
     per = -(-n // world)  # each process sums one slice of the bucket; the last is padded with zeros
     send = flat if per * world == n else torch.cat([flat, flat.new_zeros(per * world - n)])
     received = torch.empty_like(send)
-    # Synchronous, in bucket order, with no Python callback: a collective launched when another completes (gloo completes
-    # them on its own threads) could reach the processes in different orders and hang them, and a callback held by a
-    # gloo work at the interpreter's exit aborts the process (seen: 1 exit in 3 under pytest).
+    # Synchronous, issued in bucket order from the backward's thread: a collective launched from another's completion
+    # callback (gloo completes them on its own threads) reached the processes in different orders and hung them.
     dist.all_to_all_single(received, send, group=group)
     mine = in_rank_order(received.view(world, per))
     dist.all_gather_single(send, mine, group=group)  # send was read: reused for the result
@@ -76,13 +75,10 @@ def rank_ordered_hook(group: dist.ProcessGroup | None, bucket: dist.GradBucket) 
     return done
 
 
-def sum_in_rank_order(model: torch.nn.Module, how: str = RANK_ORDERED) -> bool:
-    """Make a DDP model's gradient all-reduce the rank-ordered sum (`how` = rank_ordered); False where nothing changed
-    (another engine, one process, or `native`: DDP's own all-reduce, whose first step after a new launch sums in another
+def sum_in_rank_order(model: torch.nn.Module, how: str = RANK_ORDERED) -> None:
+    """Make a DDP model's gradient all-reduce the rank-ordered sum (`how` = rank_ordered). Nothing changes under another
+    engine, in one process, or with `native` (DDP's own all-reduce, whose first step after a new launch sums in another
     order than later steps)."""
-    if how != RANK_ORDERED or not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return False
-    if model.process_group.size() <= 1:
-        return False
-    model.register_comm_hook(model.process_group, rank_ordered_hook)
-    return True
+    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    if how == RANK_ORDERED and ddp and model.process_group.size() > 1:
+        model.register_comm_hook(model.process_group, rank_ordered_hook)
