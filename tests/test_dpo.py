@@ -137,9 +137,9 @@ def test_lora_s_reference_is_the_model_without_its_adapter(triples_and_model):
 
 @pytest.mark.multiprocess
 def test_dpo_trains_logs_and_resumes_exactly(dpo_clm_inputs, tmp_path):
-    """2 CPU processes (DDP): resumed == straight bit for bit, the reference in no checkpoint and named in every manifest,
+    """3 CPU processes (DDP): resumed == straight bit for bit, the reference in no checkpoint and named in every manifest,
     the rewards and accuracies logged at every log and eval, train/learning_rate the rate each step used."""
-    a, _ = straight_then_resumed("dpo_clm", "cpu.yaml", dpo_clm_inputs, tmp_path)
+    a, _ = straight_then_resumed("dpo_clm", "cpu.yaml", dpo_clm_inputs, tmp_path, processes=3)
     checkpoint = a / "out" / "checkpoints" / f"step_{STEPS:08d}"
     saved, exported = load_file(checkpoint / "model.safetensors"), load_file(a / "out" / "final" / "model.safetensors")
     assert saved.keys() == exported.keys()  # the policy, once: no reference weights beside it

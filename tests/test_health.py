@@ -104,8 +104,11 @@ def test_a_slow_rank_is_named_then_the_job_saves_and_exits_with_its_code(small_d
 
 
 @pytest.mark.slow  # a minute each: out of the quick suite; CI runs the DDP one after the matrix (make test-ci-slow)
-@pytest.mark.parametrize("config", [pytest.param("cpu.yaml", marks=pytest.mark.ci), "zero2.yaml", "zero3.yaml", "fsdp.yaml"])
-def test_a_slow_rank_takes_fewer_samples_and_the_steps_keep_theirs(config, small_data, tmp_path):
+@pytest.mark.parametrize(
+    ("config", "processes"),
+    [pytest.param("cpu.yaml", 3, marks=pytest.mark.ci), ("zero2.yaml", 3), ("zero3.yaml", 2), ("fsdp.yaml", 3)],
+)
+def test_a_slow_rank_takes_fewer_samples_and_the_steps_keep_theirs(config, processes, small_data, tmp_path):
     """straggler_action=rebalance, rank 1 slower by 20 ms a sample of its share through step 12 (fp32, no dropout),
     under DDP and ZeRO-2 (whose forward gathers nothing), and under ZeRO-3 and FSDP2, where every forward gathers the
     parameters and a rank's own time is its forward's less those gathers (infra.health.GatherWaits; counted whole, the
@@ -115,19 +118,27 @@ def test_a_slow_rank_takes_fewer_samples_and_the_steps_keep_theirs(config, small
     the 6 windows to step 24: the tiny model's time is mostly overhead, so the share climbs a sample or so a window). Every
     step trains on the even run's samples, in its order (rank 0's slice, then rank 1's), and the weights are the even
     run's up to the order of the sums. Replayed from its recorded shares with nothing slow, it is the same run, bit for
-    bit."""
+    bit: at 3 processes, where the order of a sum across processes shows in the last bits."""
     exact = ("--attention_dropout", "0", "--mixed_precision", "no", "--straggler_window_steps", "2")
     steps = 24
-    even = run(recipe_args(small_data, tmp_path / "even" / "out", steps, *exact), tmp_path / "even", {}, config=config)
+    even = run(
+        recipe_args(small_data, tmp_path / "even" / "out", steps, *exact), tmp_path / "even", {}, config=config, num_processes=processes
+    )
     assert even.returncode == 0, even.stderr[-3000:]
     out, rebalance = tmp_path / "out", (*exact, "--straggler_action", "rebalance", "--straggler_leave_factor", "0")
-    slow = run(recipe_args(small_data, out, 12, *rebalance), tmp_path, {"rank": 1, "slow_per_sample": [0.02, 1, 24]}, config=config)
+    slow = run(
+        recipe_args(small_data, out, 12, *rebalance),
+        tmp_path,
+        {"rank": 1, "slow_per_sample": [0.02, 1, 24]},
+        config=config,
+        num_processes=processes,
+    )
     assert slow.returncode == 0, slow.stderr[-3000:]
-    resumed = run(recipe_args(small_data, out, steps, *rebalance), tmp_path, {}, config=config)
+    resumed = run(recipe_args(small_data, out, steps, *rebalance), tmp_path, {}, config=config, num_processes=processes)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
-    sizes = [[len(line["ids"]) for line in trace(out, rank)] for rank in (0, 1)]  # a micro-batch's, two a step
-    assert all(a + b == 2 * 4 for a, b in zip(*sizes, strict=True))
+    sizes = [[len(line["ids"]) for line in trace(out, rank)] for rank in range(processes)]  # a micro-batch's, two a step
+    assert all(sum(step) == processes * 4 for step in zip(*sizes, strict=True))
     first = next(i for i, size in enumerate(sizes[1]) if size < 4) // 2 + 1  # the step rank 1's share first fell
     assert first <= 2 + 2 * 2 + 1, sizes[1]  # the first window's end, and the loader's read-ahead (a step)
     assert max(sizes[1][2 * 6 : 2 * 12]) < 4, sizes[1]  # slow through step 12: a smaller share
@@ -135,7 +146,7 @@ def test_a_slow_rank_takes_fewer_samples_and_the_steps_keep_theirs(config, small
     assert min(sizes[1][-4:]) > max(sizes[1][2 * 6 : 2 * 12]), sizes[1]  # fast again: its share back (up to noise)
     line = next(line for line in slow.stdout.splitlines() if line.startswith("rebalanced: "))
     assert ", rank 1 on " in line and "4 -> " in line, line
-    assert global_sequence(out, 2) == global_sequence(tmp_path / "even" / "out", 2)  # the same samples, in the same order
+    assert global_sequence(out, processes) == global_sequence(tmp_path / "even" / "out", processes)  # the same samples, in the same order
     ours, theirs = weights(out), weights(tmp_path / "even" / "out")
     assert 0 < max(float((ours[name] - theirs[name]).abs().max()) for name in theirs) < 1e-5  # the sums' order: last bits
 
@@ -149,10 +160,16 @@ def test_a_slow_rank_takes_fewer_samples_and_the_steps_keep_theirs(config, small
     # replayed from its output_dir's recorded shares (its newest checkpoint), nothing slow: every micro-step's samples on
     # the same ranks, and the same weights bit for bit
     again = tmp_path / "replay"
-    replay = run(recipe_args(small_data, again / "out", steps, *exact, "--straggler_replay", str(out)), again, {}, config=config)
+    replay = run(
+        recipe_args(small_data, again / "out", steps, *exact, "--straggler_replay", str(out)),
+        again,
+        {},
+        config=config,
+        num_processes=processes,
+    )
     assert replay.returncode == 0, replay.stderr[-3000:]
-    assert [[line["ids"] for line in trace(again / "out", rank)] for rank in (0, 1)] == [
-        [line["ids"] for line in trace(out, rank)] for rank in (0, 1)
+    assert [[line["ids"] for line in trace(again / "out", rank)] for rank in range(processes)] == [
+        [line["ids"] for line in trace(out, rank)] for rank in range(processes)
     ]
     assert_same_weights(out, again / "out")
 

@@ -163,18 +163,21 @@ def assert_same_weights(a: Path, b: Path, tolerance: float = 0.0) -> None:
             assert torch.equal(wa[name], wb[name]), f"{name} differs"
 
 
-def straight_then_resumed(recipe: str, config: str, inputs, tmp_path: Path, extra: tuple[str, ...] = ()) -> tuple[Path, Path]:
+def straight_then_resumed(
+    recipe: str, config: str, inputs, tmp_path: Path, extra: tuple[str, ...] = (), processes: int = 2
+) -> tuple[Path, Path]:
     """2N steps straight, keeping the checkpoint of step N; then a new launch resumes that checkpoint in another
     output_dir to 2N. (The checkpoint of step N is what a run stopped at N leaves: the same save.) Same weights?"""
     data, args = inputs
     a, b = tmp_path / "a", tmp_path / "b"
     args = [*args, *extra, "--save_total_limit", "100"]
     env = {FSDP_ON_CPU_ENV: "1"} if config == "fsdp.yaml" else {}  # accelerate runs FSDP on accelerators only
-    straight = launch(config, recipe_args(recipe, data, a / "out", 2 * STEPS, args), a, recipe=recipe, env=env)
+    straight = launch(config, recipe_args(recipe, data, a / "out", 2 * STEPS, args), a, num_processes=processes, recipe=recipe, env=env)
     assert straight.returncode == 0
     (b / "out" / "checkpoints").mkdir(parents=True)
     shutil.copytree(a / "out" / "checkpoints" / f"step_{STEPS:08d}", b / "out" / "checkpoints" / f"step_{STEPS:08d}")
-    resumed = launch(config, recipe_args(recipe, data, b / "out", 2 * STEPS, [*args, "--report_to", "none"]), b, recipe=recipe, env=env)
+    resumed_args = recipe_args(recipe, data, b / "out", 2 * STEPS, [*args, "--report_to", "none"])
+    resumed = launch(config, resumed_args, b, num_processes=processes, recipe=recipe, env=env)
     assert resumed.returncode == 0 and f"resumed at step {STEPS}" in resumed.stdout
     engine = "(DEEPSPEED)" if config.startswith("zero") else "(FSDP)" if config == "fsdp.yaml" else "(MULTI_CPU)"
     assert engine in resumed.stdout
@@ -436,8 +439,9 @@ def test_the_step_gradient_is_that_of_the_mean_token_loss_whatever_the_split(con
     ["sft_clm", pytest.param("finetune_classification", marks=pytest.mark.slow), "image_classification"],
 )
 def test_recipe_trains_evaluates_and_resumes_exactly(recipe, request, tmp_path):
-    """2 CPU processes: N steps then N more in a new launch == 2N straight, bit for bit; eval logged to one MLflow run."""
-    a, _ = straight_then_resumed(recipe, "cpu.yaml", request.getfixturevalue(f"{recipe}_inputs"), tmp_path)
+    """3 CPU processes (where the order of a sum across processes shows): N steps then N more in a new launch == 2N
+    straight, bit for bit; eval logged to one MLflow run."""
+    a, _ = straight_then_resumed(recipe, "cpu.yaml", request.getfixturevalue(f"{recipe}_inputs"), tmp_path, processes=3)
     client = mlflow.MlflowClient(f"sqlite:///{a / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name(recipe).experiment_id])
     assert run.data.tags["recipe"] == recipe and run.info.status == "FINISHED"
