@@ -29,6 +29,8 @@ from infra.tracking import TrackingConfig
 class LoopConfig:
     """Loop, logging and eval flags (part of TrainingArguments)."""
 
+    _argument_group_name = "training loop, logging and eval"  # its heading in --help
+
     output_dir: str = field(default="runs/default", metadata={"help": "Where checkpoints, the exported model and logs go."})
     seed: int = field(default=42, metadata={"help": "Seed for model init, data order and dropout."})
     full_determinism: bool = field(

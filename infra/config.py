@@ -8,13 +8,15 @@ the program with one line naming the field, the value and what is accepted.
 
 from __future__ import annotations
 
+import argparse
+import copy
 import dataclasses
 import difflib
 import json
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 import yaml
 from transformers import HfArgumentParser
@@ -34,21 +36,65 @@ def require(ok: bool, name: str, value: Any, accepted: str) -> None:
         raise ConfigError(f"{name}={value!r} is not valid: expected {accepted}")
 
 
+class _Prose(argparse.ArgumentDefaultsHelpFormatter):
+    """A help text is prose: its `%` ("over 5% of its time") is a percent sign, not one of argparse's format codes
+    (which made `--help` raise), but for argparse's own `%(default)s` and the like."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        prose = copy.copy(action)
+        prose.help = re.sub(r"%(?!\()", "%%", action.help or "")
+        return super()._get_help_string(prose)
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        """`--learning_rate VALUE`: the flag once (not its dashed alias), its values in a word."""
+        if not action.option_strings or action.nargs == 0:
+            return ", ".join(action.option_strings)
+        if action.metavar:
+            value = action.metavar
+        elif action.choices:
+            value = "{" + ",".join(map(str, action.choices)) + "}"
+        elif action.nargs == "?":
+            value = "[true|false]"
+        else:
+            value = "VALUE ..." if action.nargs in ("+", "*") else "VALUE"
+        return f"{action.option_strings[0]} {value}"
+
+
 class _Parser(HfArgumentParser):
-    """HfArgumentParser whose errors are exceptions rather than a usage dump and exit."""
+    """HfArgumentParser whose errors are exceptions rather than a usage dump and exit, and whose `--help` lists the
+    flags by the section that declares them (a dataclass's `_argument_group_name`, else its name: ModelArguments ->
+    "model"), `--config` first."""
 
     def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Prose)
+        kwargs.setdefault("usage", "%(prog)s [--config FILE.yaml] [--FIELD VALUE ...]")
+        kwargs.setdefault(
+            "epilog",
+            "A flag overrides the --config file's value. With --config FILE and --help, a flag FILE sets to other than its "
+            "default shows both values.",
+        )
         super().__init__(*args, **kwargs)
         # argparse takes `-1e-3` for a flag (its pattern of negative numbers has no exponent): `--learning_rate -1e-3`
         # then said "expected one argument" instead of naming the value
         self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
-    def add_argument(self, *names, **kwargs):
-        """A help text is prose: its `%` ("over 5% of its time") is a percent sign, not one of argparse's format codes
-        (which would make `--help` raise), but for argparse's own `%(default)s` and the like."""
-        if isinstance(kwargs.get("help"), str):
-            kwargs["help"] = re.sub(r"%(?!\()", "%%", kwargs["help"])
-        return super().add_argument(*names, **kwargs)
+    def _add_dataclass_arguments(self, dtype) -> None:
+        hints = get_type_hints(dtype)
+        groups: dict[str, Any] = {}
+        for field in dataclasses.fields(dtype):
+            if not field.init:
+                continue
+            field.type = hints[field.name]
+            title = section_title(next(c for c in dtype.__mro__ if field.name in c.__dict__.get("__annotations__", {})))
+            if title not in groups:
+                groups[title] = self.add_argument_group(title)
+            self._parse_dataclass_field(groups[title], field)
+
+    def show_config(self, path: str, values: dict) -> None:
+        """`--config FILE --help`: FILE's value beside each flag it sets to other than the default."""
+        for action in self._actions:
+            if action.dest in values and values[action.dest] != action.default and action.help is not None:
+                action.help += f" [{path}: {values[action.dest]!r}]"
 
     def error(self, message):
         message = re.sub(r"argument --(\w+)/--[\w-]+", r"argument --\1", message)
@@ -60,6 +106,14 @@ class _Parser(HfArgumentParser):
 
 
 _KINDS = {"int": "an integer", "float": "a number", "string_to_bool": "true or false"}
+
+
+def section_title(section: type) -> str:
+    """A section's heading in --help: its `_argument_group_name` (transformers' convention), else its name in words."""
+    if "_argument_group_name" in section.__dict__:
+        return section._argument_group_name
+    name = re.sub(r"(Arguments|Config)$", "", section.__name__) or section.__name__
+    return name if name.isupper() else re.sub(r"(?<!^)(?=[A-Z])", " ", name).lower()
 
 
 def parse_config(dataclass_types: tuple[type, ...], argv: list[str] | None = None, check=None) -> tuple:
@@ -80,7 +134,11 @@ def parse_config(dataclass_types: tuple[type, ...], argv: list[str] | None = Non
 
 def _parse(dataclass_types: tuple[type, ...], argv: list[str]) -> tuple:
     parser = _Parser(dataclass_types, allow_abbrev=False)  # a typo must not silently match a longer flag
-    parser.add_argument("--config", type=str, default=None, help="YAML file of field: value; flags override it.")
+    parser.add_argument("--config", type=str, default=None, metavar="FILE.yaml", help="Field: value pairs; flags override them.")
+    if {"-h", "--help"} & set(argv):
+        path = parser.parse_known_args([a for a in argv if a not in ("-h", "--help")])[0].config
+        if path is not None:
+            parser.show_config(path, _read_yaml(path))
     known, _ = parser.parse_known_args(argv)  # --help prints and exits here
 
     fields = {f.name: f for dtype in dataclass_types for f in dataclasses.fields(dtype) if f.init}

@@ -40,6 +40,8 @@ def nonfinite(loss: torch.Tensor, grad_norm: torch.Tensor | float | None) -> tor
 class NonFiniteConfig:
     """Non-finite step flags (part of TrainingArguments)."""
 
+    _argument_group_name = "non-finite steps"  # its heading in --help
+
     max_bad_steps: int = field(
         default=3, metadata={"help": "Non-finite steps in a row (each skipped: no optimizer step) before on_bad_steps acts."}
     )

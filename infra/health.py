@@ -24,6 +24,8 @@ STRAGGLER_EXIT_CODE = 75  # EX_TEMPFAIL: saved and stopped on purpose, to be res
 class HealthConfig:
     """Hang and straggler flags (part of TrainingArguments); non-finite steps are NonFiniteConfig's."""
 
+    _argument_group_name = "hangs and stragglers"  # its heading in --help
+
     ddp_timeout: int = field(
         default=1800,
         metadata={"help": "Seconds a collective may wait in start-up, the first step, saves, loads and evaluations before the job fails."},

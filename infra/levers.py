@@ -25,6 +25,8 @@ COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # aot_eager and eager: to
 class LeverConfig:
     """Activation checkpointing and torch.compile (part of TrainingArguments)."""
 
+    _argument_group_name = "memory and speed levers"  # its heading in --help
+
     gradient_checkpointing: bool = field(
         default=False,
         metadata={

@@ -21,6 +21,8 @@ from infra.config import require
 class OptimizerConfig:
     """Optimizer flags (part of TrainingArguments)."""
 
+    _argument_group_name = "optimizer and schedule"  # its heading in --help
+
     learning_rate: float = field(default=1e-3, metadata={"help": "Peak learning rate after warmup."})
     warmup_steps: int = field(default=20, metadata={"help": "Linear warmup steps before the cosine decay."})
     min_lr_ratio: float = field(default=0.1, metadata={"help": "Cosine decay floor, as a fraction of learning_rate."})

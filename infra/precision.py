@@ -46,6 +46,8 @@ BF16_MARGIN = 1.05  # bf16 must run the probe at least this many times as fast a
 class PrecisionConfig:
     """Precision flag (part of TrainingArguments)."""
 
+    _argument_group_name = "precision"  # its heading in --help
+
     mixed_precision: Literal["auto", "bf16", "fp16", "no"] = field(
         default="auto",
         metadata={

@@ -30,6 +30,8 @@ STOP_RECORD = "stopped.json"
 class PreemptionConfig:
     """Preemption flags (part of TrainingArguments)."""
 
+    _argument_group_name = "preemption"  # its heading in --help
+
     preemption_grace_seconds: float = field(
         default=120.0, metadata={"help": "After SIGTERM/SIGUSR1, the time allowed to save and exit before the process stops anyway."}
     )

@@ -36,6 +36,8 @@ from infra.memory import GIB, Setup, Shape, estimate, rank_memory, refusal, tabl
 class PreflightConfig:
     """Preflight flags (part of TrainingArguments)."""
 
+    _argument_group_name = "preflight"  # its heading in --help
+
     preflight: bool = field(
         default=True, metadata={"help": "Check devices, a collective, data, a checkpoint round trip, disk and MLflow before training."}
     )

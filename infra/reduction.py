@@ -33,6 +33,8 @@ RANK_ORDERED = "rank_ordered"
 class ReductionConfig:
     """How DDP sums the gradients (part of TrainingArguments)."""
 
+    _argument_group_name = "gradient sum across processes"  # its heading in --help
+
     gradient_sum: Literal["rank_ordered", "native"] = field(
         default=RANK_ORDERED,
         metadata={

@@ -42,6 +42,8 @@ SDC_EXIT_CODE = 77  # copies disagreed again, or could not be repaired: stopped 
 class SdcConfig:
     """Silent-data-corruption flags (part of TrainingArguments)."""
 
+    _argument_group_name = "silent data corruption"  # its heading in --help
+
     sdc_check_steps: int = field(
         default=50,
         metadata={

@@ -38,6 +38,8 @@ DEFAULT_URI = f"sqlite:///{REPO / 'mlflow.db'}"
 class TrackingConfig:
     """Tracking flags (part of TrainingArguments)."""
 
+    _argument_group_name = "tracking (MLflow)"  # its heading in --help
+
     run_name: str | None = field(default=None, metadata={"help": "MLflow run name; generated from the main hyperparameters if unset."})
     experiment_name: str | None = field(default=None, metadata={"help": "MLflow experiment; the recipe's name if unset."})
     report_to: Literal["mlflow", "none"] = field(default="mlflow", metadata={"help": "Experiment tracker to log to."})

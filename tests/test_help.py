@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 
 import pytest
@@ -13,10 +15,32 @@ RECIPES = sorted(p.name for p in (REPO / "recipes").glob("*.py"))
 TOOLS = ["infra.compare", "infra.export", "infra.launch", "infra.plan", "infra.data.prepare", "infra.data.tasks", "infra.replicas"]
 
 
+def help_of(*argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "1000"}  # a help text on one line
+    return subprocess.run([str(BIN / "python"), *argv, "--help"], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+
+
 @pytest.mark.parametrize("entry", [f"recipes/{r}" for r in RECIPES] + [f"-m {t}" for t in TOOLS])
 def test_every_entry_point_prints_its_help(entry):
-    proc = subprocess.run([str(BIN / "python"), *entry.split(), "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = help_of(*entry.split())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("usage:") and "Traceback" not in proc.stderr, proc.stdout[:500] + proc.stderr[-2000:]
     if entry.startswith("recipes/"):
         assert "--config" in proc.stdout and "--output_dir" in proc.stdout and "5% of" in proc.stdout
+
+
+def test_a_recipes_help_lists_its_flags_by_section_with_the_values_of_a_config_beside_the_defaults():
+    """`--config` first, then each section under its heading (the recipe's model and data, then the loop and each part's);
+    with `--config FILE` a flag FILE sets to other than the default shows both values, one FILE leaves alone neither."""
+    config = "recipes/configs/pretrain_clm.yaml"
+    text = help_of("recipes/pretrain_clm.py", "--config", config).stdout
+    assert text.startswith("usage: pretrain_clm.py [--config FILE.yaml] [--FIELD VALUE ...]\n"), text[:300]
+    headings = [line[:-1] for line in text.splitlines() if re.fullmatch(r"[a-z][^ ].*:", line)]
+    assert headings[:5] == ["options", "attention", "model", "data", "training loop, logging and eval"], headings
+    assert {"optimizer and schedule", "checkpoints: when to save", "hangs and stragglers", "replica groups"} <= set(headings)
+    assert text.index("--config FILE.yaml") < text.index("--hidden_size VALUE") < text.index("--learning_rate VALUE")
+    flags = {m[1]: m[2] for m in re.finditer(r"^  (--\w+) [^ ]+ +(.*)$", text, re.M)}
+    assert flags["--learning_rate"].endswith(f"[{config}: 0.002] (default: 0.001)"), flags["--learning_rate"]
+    assert flags["--seed"].endswith("(default: 42)") and config not in flags["--seed"], flags["--seed"]
+    assert "--learning-rate" not in text  # the dashed alias works, but is not listed twice
+    assert config not in help_of("recipes/pretrain_clm.py").stdout

@@ -13,6 +13,8 @@ from infra.config import require
 class SaveClockConfig:
     """Save-schedule flags (part of TrainingArguments)."""
 
+    _argument_group_name = "checkpoints: when to save"  # its heading in --help
+
     save_steps: int = field(default=100, metadata={"help": "Save a checkpoint every N optimizer steps (0: only at the end)."})
     save_every_minutes: str = field(
         default="30",

@@ -92,6 +92,8 @@ BACKGROUND_ENGINES = (DistributedType.NO, DistributedType.MULTI_CPU, Distributed
 class CheckpointConfig:
     """Checkpoint flags (part of TrainingArguments); when to save is SaveClockConfig's, what to keep RetentionConfig's."""
 
+    _argument_group_name = "checkpoints: where and how"  # its heading in --help
+
     async_save: bool = field(
         default=False,
         metadata={

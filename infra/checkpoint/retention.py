@@ -19,6 +19,8 @@ from infra.config import require
 class RetentionConfig:
     """Retention flags (part of TrainingArguments)."""
 
+    _argument_group_name = "checkpoints: what to keep"  # its heading in --help
+
     save_total_limit: int | None = field(default=2, metadata={"help": "Keep the newest N checkpoints (None keeps all)."})
     keep_best: int = field(default=0, metadata={"help": "Also keep the best N checkpoints by metric_for_best_model (0: off)."})
     metric_for_best_model: str = field(default="train/loss", metadata={"help": "Logged metric that ranks checkpoints for keep_best."})

@@ -38,6 +38,8 @@ REPLICA_ID = re.compile(r"[A-Za-z0-9_.-]*[0-9]")  # torchft numbers a group's ra
 class ReplicaConfig:
     """Fault tolerance across replica groups (part of TrainingArguments); see infra.replicas."""
 
+    _argument_group_name = "replica groups"  # its heading in --help
+
     fault_tolerance: str = field(
         default="none",
         metadata={
