@@ -63,14 +63,14 @@ runs/sft_clm/final/model.safetensors: data/sft_stdlib/index.json runs/pretrain_t
 	$(MAKE) train RECIPE=sft_clm RUN_CONFIG=recipes/configs/sft_clm.yaml ARGS=
 
 train: setup data  ## train RECIPE (default pretrain_clm) with its config (RUN_CONFIG=, ACCEL_CONFIG=, ARGS= to change)
-	$(BIN)/accelerate launch --config_file $(ACCEL_CONFIG) recipes/$(RECIPE).py --config $(RUN_CONFIG) $(ARGS)
+	$(BIN)/python -m infra.launch --config_file $(ACCEL_CONFIG) recipes/$(RECIPE).py --config $(RUN_CONFIG) $(ARGS)
 
 GROUPS ?= 3
 replicas: setup data  ## RECIPE as GROUPS replica groups and their lighthouse on this machine: kill one, start it again, training goes on (fault_tolerance: replicas)
 	$(BIN)/python -m infra.replicas local --groups $(GROUPS) --recipe $(RECIPE) -- --config $(RUN_CONFIG) --global_batch_size 16 $(ARGS)
 
 doctor: setup data  ## preflight of the train job without training: devices, a collective, data checksums, a checkpoint round trip, disk, MLflow
-	$(BIN)/accelerate launch --config_file $(ACCEL_CONFIG) recipes/$(RECIPE).py --config $(RUN_CONFIG) --preflight_only true $(ARGS)
+	$(BIN)/python -m infra.launch --config_file $(ACCEL_CONFIG) recipes/$(RECIPE).py --config $(RUN_CONFIG) --preflight_only true $(ARGS)
 
 # The quick suite's tests in this many pytest processes, a file each at a time (its fixtures made once): a launch's
 # start-up keeps one core of two busy, so two at a time finish sooner (measured: 9.4 -> 6.1 min on 2 cores)

@@ -13,15 +13,17 @@ import copy
 import dataclasses
 import difflib
 import json
+import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any, get_type_hints
 
 import yaml
 from transformers import HfArgumentParser
 
-from infra.errors import RunError
+from infra.errors import USAGE_EXIT_CODE, RunError
 
 
 class ConfigError(RunError, ValueError):
@@ -128,8 +130,15 @@ def parse_config(dataclass_types: tuple[type, ...], argv: list[str] | None = Non
             check(*parsed)
         return parsed
     except ConfigError as err:
+        if os.environ.get("LOCAL_RANK", "0") != "0":
+            # A machine's processes read the same flags and files: its local rank 0 says it, and the launcher stops the
+            # others once it exits. A process still here after a while (rank 0 slower to get this far) says it too.
+            time.sleep(SAID_BY_LOCAL_RANK_0_SECONDS)
         print(f"config error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(USAGE_EXIT_CODE) from None
+
+
+SAID_BY_LOCAL_RANK_0_SECONDS = 10.0
 
 
 def _parse(dataclass_types: tuple[type, ...], argv: list[str]) -> tuple:

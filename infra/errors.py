@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+USAGE_EXIT_CODE = 2  # a mistake in the configuration, said in one line by the program (argparse's code for a usage error)
+
 
 class RunError(Exception):
     """A stop its user can act on, phrased as one sentence."""

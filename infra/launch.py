@@ -32,6 +32,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -42,6 +43,7 @@ import threading
 import time
 from pathlib import Path
 
+from infra.errors import USAGE_EXIT_CODE
 from infra.hangs import LAUNCH_STATUS_ENV, PEER_LOST_EXIT_CODE
 from infra.leave import ending
 from infra.rendezvous import TIMEOUT_ENV, elastic, elastic_problem, flag, node_problem, setting, with_rendezvous
@@ -143,6 +145,12 @@ def watch_agent(grace: float, restarts: bool) -> None:
     threading.Thread(target=watch, name="agent-watch", daemon=True).start()
 
 
+def said_below(record: logging.LogRecord) -> bool:
+    """torch elastic's lines on a worker that failed ("failed (exitcode: 2) local_rank: 0 (pid: ...) of binary: ..."),
+    and on the others it stops then: this launcher's own line names the ranks and their codes."""
+    return not record.getMessage().startswith(("failed (exitcode", "Sending process"))
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ[ELASTIC_SIGNALS_ENV] = "SIGINT,SIGHUP,SIGQUIT"
     for signum in FORWARDED:
@@ -156,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"launch error: {problem}", file=sys.stderr)
         return 1
     sys.argv = ["accelerate", "launch", *with_rendezvous(elastic(args))]
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(said_below)
     restarts = int(flag(args, "--max_restarts") or 0) > 0
     watch_agent(float(os.environ.get(TIMEOUT_ENV, 300)) + AGENT_GRACE_SECONDS if restarts else AGENT_GRACE_SECONDS, restarts)
     try:
@@ -163,9 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     except subprocess.CalledProcessError as err:  # one process (accelerate's simple launcher): it printed its own error
         return exit_code(err.returncode)
     except ChildFailedError as err:  # torch elastic: every rank that failed, with its code
-        codes = ", ".join(f"rank {rank} exited with code {exit_code(f.exitcode)}" for rank, f in sorted(err.failures.items()))
-        print(f"launch: {codes}", file=sys.stderr)
-        return exit_code(err.get_first_failure()[1].exitcode)  # the root cause's; the recipes' agreed exits share one code
+        code = exit_code(err.get_first_failure()[1].exitcode)  # the root cause's; the recipes' agreed exits share one code
+        if code != USAGE_EXIT_CODE:  # a mistake in the configuration: the recipe said it in one line
+            codes = ", ".join(f"rank {rank} exited with code {exit_code(f.exitcode)}" for rank, f in sorted(err.failures.items()))
+            print(f"launch: {codes}", file=sys.stderr)
+        return code
     except RendezvousError as err:  # the agent's store on node 0 is gone (node 0 lost, or the link to it): no group forms
         where = f"{setting(args, 'main_process_ip', '127.0.0.1')}:{setting(args, 'main_process_port', 29500)}"
         print(

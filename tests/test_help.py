@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import BIN, REPO
+from tests.conftest import BIN, REPO, free_port
 
 RECIPES = sorted(p.name for p in (REPO / "recipes").glob("*.py"))
 TOOLS = ["infra.compare", "infra.export", "infra.launch", "infra.plan", "infra.data.prepare", "infra.data.tasks", "infra.replicas"]
@@ -44,3 +44,22 @@ def test_a_recipes_help_lists_its_flags_by_section_with_the_values_of_a_config_b
     assert flags["--seed"].endswith("(default: 42)") and config not in flags["--seed"], flags["--seed"]
     assert "--learning-rate" not in text  # the dashed alias works, but is not listed twice
     assert config not in help_of("recipes/pretrain_clm.py").stdout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("mistake", "line"),
+    [
+        (["--learning_rat", "1e-3"], "config error: unknown argument '--learning_rat 1e-3' (did you mean '--learning_rate'?)"),
+        (["--learning_rate", "-1e-3"], "config error: learning_rate=-0.001 is not valid: expected a number > 0"),
+    ],
+)
+def test_a_mistake_launched_on_two_processes_is_one_line_and_exit_code_2(mistake, line, tmp_path):
+    """What `make train ARGS=...` runs: the project's launcher, two processes, each finding the mistake; one says it,
+    the launcher adds nothing (no traceback, no line of torch elastic's), and the exit code is the usage error's."""
+    cmd = [str(BIN / "python"), "-m", "infra.launch", "--config_file", "accelerate_configs/cpu.yaml", "--num_processes", "2"]
+    cmd += ["--main_process_port", str(free_port()), "recipes/pretrain_clm.py", "--config", "recipes/configs/pretrain_clm.yaml"]
+    cmd += ["--output_dir", str(tmp_path / "out"), *mistake]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [line], proc.stderr[-3000:]
+    assert not (tmp_path / "out").exists()  # nothing written
