@@ -12,11 +12,24 @@ from pathlib import Path
 
 from infra.tracking import tracking_uri
 
-COLUMNS = ("run", "status", "learning_rate", "batch", "steps", "final loss", "eval loss", "throughput", "ETTR", "run id")
+COLUMNS = ("run", "status", "learning_rate", "samples/step", "steps", "final loss", "eval loss", "throughput", "ETTR", "run id")
 
 
 def _param(run, name: str) -> str:
     return next((v for k, v in run.data.params.items() if k.endswith("." + name)), "-")
+
+
+def _samples_per_step(run) -> str:
+    """The step's global batch, as the run said it ("64 samples per step"): global_batch_size, else every process's
+    micro-batches of a step."""
+    fixed = _param(run, "global_batch_size")
+    if fixed not in ("-", "0"):
+        return fixed
+    try:
+        world = int(run.data.tags.get("world_size", "1"))
+        return str(int(_param(run, "per_device_train_batch_size")) * int(_param(run, "gradient_accumulation_steps")) * world)
+    except ValueError:  # a run logged without them
+        return "-"
 
 
 def rows(client, runs, metric: str) -> list[tuple[str, ...]]:
@@ -25,7 +38,7 @@ def rows(client, runs, metric: str) -> list[tuple[str, ...]]:
         last = run.data.metrics
         loss = last.get(metric)
         unit, rate = next(((k[5:-11], v) for k, v in last.items() if k.startswith("perf/") and k.endswith("_per_second")), ("", None))
-        batch = f"{_param(run, 'per_device_train_batch_size')}x{_param(run, 'gradient_accumulation_steps')}"
+        batch = _samples_per_step(run)
         out.append(
             (
                 run.info.run_name or "-",

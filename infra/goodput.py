@@ -160,4 +160,7 @@ def summary(metrics: dict[str, float]) -> str:
         "lost": "lost",
     }
     parts = ", ".join(f"{label} {100 * metrics[f'goodput/{k}_seconds'] / wall:.0f}%" for k, label in names.items())
-    return f"goodput: ETTR {metrics['goodput/ettr']:.2f} of {wall:.0f}s since the first launch ({parts})"
+    line = f"goodput: ETTR {metrics['goodput/ettr']:.2f} of {wall:.0f}s since the first launch ({parts})"
+    if metrics["goodput/startup_seconds"] > wall / 2:  # a short run, not an alarm: a launch's start-up is a fixed cost
+        line += "; mostly start-up, a fixed cost of each launch that a long run spreads thin"
+    return line

@@ -20,6 +20,7 @@ from infra.config import require
 from infra.data import DataCursor
 from infra.data.mixture import MixtureCursor
 from infra.errors import HealthError
+from infra.observers import say
 from infra.zero_step import deferrable, scaler_skips_overflows
 
 
@@ -83,7 +84,7 @@ class NonFiniteGuard:
         self.in_a_row = self.in_a_row + 1 if skipped else 0
         if skipped:
             state.skipped_steps += 1
-            self.accelerator.print(f"health: non-finite loss or gradients at step {state.step + 1}: {self.note}")
+            say(self.accelerator.is_main_process, f"health: non-finite loss or gradients at step {state.step + 1}: {self.note}")
         return not skipped or self.fp16
 
     @property
@@ -112,9 +113,10 @@ class NonFiniteGuard:
         state.load_state_dict({**manifest, "skipped_steps": state.skipped_steps, "rollbacks": state.rollbacks + 1})
         saved = copy.deepcopy(cursor)  # the cursor's own kind (one source or a mixture) at the checkpoint's position
         saved.load_state_dict(manifest["cursor"])
-        self.accelerator.print(
+        say(
+            self.accelerator.is_main_process,
             f"health: {c.max_bad_steps} non-finite steps in a row at step {bad_step}: rolled back to {path.name}; "
-            f"the data from {saved} to {position} is skipped"
+            f"the data from {saved} to {position} is skipped",
         )
         self.in_a_row = 0
         return manifest

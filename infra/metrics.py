@@ -158,7 +158,7 @@ class EtaCheck:
 
     def __init__(
         self,
-        accelerator,
+        say,
         start_step: int,
         max_steps: int,
         units_per_step: int,
@@ -166,7 +166,7 @@ class EtaCheck:
         after: int = 10,
         unit: str = "tokens",
     ):
-        self.accelerator, self.start_step, self.max_steps = accelerator, start_step, max_steps
+        self.say, self.start_step, self.max_steps = say, start_step, max_steps  # say: a line above the progress bar
         self.units_per_step, self.budget_hours, self.after, self.unit = units_per_step, budget_hours, after, unit
         self._t0: float | None = None
 
@@ -177,12 +177,12 @@ class EtaCheck:
             return {}
         rate = self.after / (time.perf_counter() - self._t0)
         hours = (self.max_steps - step) / rate / 3600
-        self.accelerator.print(
+        self.say(
             f"pace: {rate:.2f} steps/s, {rate * self.units_per_step:,.0f} {self.unit}/s; "
             f"{self.max_steps - step} steps to go take ~{_hours(hours)}"
         )
         if self.budget_hours and hours > self.budget_hours:
-            self.accelerator.print(
+            self.say(
                 f"warning: the run needs ~{_hours(hours)} more, over time_budget_hours={self.budget_hours:g}: "
                 "lower max_steps, or add GPUs (python -m infra.plan)"
             )

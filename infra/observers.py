@@ -27,6 +27,12 @@ from infra.metrics import EtaCheck
 from infra.tracking import MetricLogger
 
 
+def say(main: bool, line: str) -> None:
+    """A line from the main process, above the progress bar (printed after the bar's last state, it was glued to it)."""
+    if main:
+        tqdm.write(line)
+
+
 class Observers:
     def __init__(self, watchdog: Watchdog, goodput: Goodput, main: bool):
         self.watchdog, self.goodput, self.main = watchdog, goodput, main
@@ -102,9 +108,7 @@ class Observers:
         self.bar.set_postfix(postfix)
 
     def say(self, line: str) -> None:
-        """A line from the main process, above the bar."""
-        if self.main:
-            self.bar.write(line)
+        say(self.main, line)
 
     def saving(self) -> None:
         """The trace of the steps a checkpoint holds, on disk with it."""

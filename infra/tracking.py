@@ -69,12 +69,13 @@ def artifact_dir(uri: str) -> str | None:
     return None
 
 
-def run_name_for(config: dict[str, dict[str, Any]], args) -> str:
-    """`args.run_name`, or one generated from the hyperparameters people compare runs by."""
+def run_name_for(config: dict[str, dict[str, Any]], args, samples_per_step: int) -> str:
+    """`args.run_name`, or the output_dir's name and the hyperparameters people compare runs by: `lr1e-3-lr0.001-b64-s42`
+    (two runs of one experiment in other folders are told apart; `b`: the samples of a step, every process's)."""
     if args.run_name:
         return args.run_name
     t = config["TrainingArguments"]
-    return f"lr{t['learning_rate']:g}-bs{t['per_device_train_batch_size']}x{t['gradient_accumulation_steps']}-s{t['seed']}"
+    return f"{Path(t['output_dir']).name}-lr{t['learning_rate']:g}-b{samples_per_step}-s{t['seed']}"
 
 
 def start_run(

@@ -323,7 +323,7 @@ class Trainer:
             self.run_id = start_run(
                 acc,
                 args.experiment_name or self.job.name,
-                run_name_for(self.config, args),
+                run_name_for(self.config, args, self.shares.samples_per_step),
                 self.config,
                 self.own_dir,
                 run_id=manifest.get("mlflow_run_id"),
@@ -345,7 +345,7 @@ class Trainer:
             (lambda step: SampleTrace(self.own_dir, acc.process_index, step, acc.num_processes)) if self.data_args.trace_samples else None,
             state.step,
             tqdm(total=args.max_steps, initial=state.step, desc="train", disable=not acc.is_local_main_process),
-            EtaCheck(acc, state.step, args.max_steps, self.units_per_step, args.time_budget_hours, unit=self.job.unit),
+            EtaCheck(self.watch.say, state.step, args.max_steps, self.units_per_step, args.time_budget_hours, unit=self.job.unit),
         )
         self.model.train()
 
@@ -768,7 +768,7 @@ class Trainer:
         seconds = time.perf_counter() - start
         self.hooks.on_state("saved", state.step, self.model, self.optimizer)
         if (minutes := self.clock.saved(seconds)) is not None:
-            self.accelerator.print(f"a save takes {seconds:.1f}s: saving every {minutes:.1f} min (Young/Daly, MTBF {args.mtbf_hours:g} h)")
+            self.watch.say(f"a save takes {seconds:.1f}s: saving every {minutes:.1f} min (Young/Daly, MTBF {args.mtbf_hours:g} h)")
         self.watch.log({"checkpoint/save_seconds": seconds, "checkpoint/interval_minutes": self.clock.interval / 60}, step=state.step)
 
     def export(self) -> None:

@@ -66,6 +66,10 @@ def test_compare_prints_a_table_and_plots_the_curves(store, tmp_path, capsys):
         run = client.create_run(experiment, run_name=name)
         client.log_param(run.info.run_id, "TrainingArguments.learning_rate", lr)
         client.log_param(run.info.run_id, "TrainingArguments.max_steps", "30")
+        client.log_param(run.info.run_id, "TrainingArguments.per_device_train_batch_size", "8")
+        client.log_param(run.info.run_id, "TrainingArguments.gradient_accumulation_steps", "2")
+        client.log_param(run.info.run_id, "TrainingArguments.global_batch_size", "0" if lr == "0.01" else "48")
+        client.set_tag(run.info.run_id, "world_size", "4")
         for step, loss in enumerate(losses, 1):
             client.log_metric(run.info.run_id, "train/loss", loss, step=step * 10)
         client.log_metric(run.info.run_id, "perf/tokens_per_second", 12345.0, step=30)
@@ -75,7 +79,8 @@ def test_compare_prints_a_table_and_plots_the_curves(store, tmp_path, capsys):
     compare(["--experiment", "pretrain_clm", "--output", str(png)])
     out = capsys.readouterr().out
     lines = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("lr0.")}
-    assert lines["lr0.01"][1:3] == ["FINISHED", "0.01"] and "3.5000" in lines["lr0.01"]
+    assert lines["lr0.01"][1:4] == ["FINISHED", "0.01", "64"] and "3.5000" in lines["lr0.01"]  # 8 x 2 x 4 processes
+    assert lines[long][3] == "48"  # a global_batch_size set: the step's samples whatever the processes
     assert "12,345 tokens/s 0.91" in " ".join(lines["lr0.01"])  # the throughput whole (it was cut), goodput's ETTR
     assert lines[long][2] == "0.001" and "4.6000" in lines[long]  # a long name whole, its row still in columns
     header = next(line for line in out.splitlines() if line.startswith("run "))
@@ -299,3 +304,17 @@ def test_jobs_that_start_together_on_a_new_store_log_to_it(store, tmp_path, monk
     assert "unreachable" not in capsys.readouterr().out
     client = mlflow.MlflowClient(store)
     assert [run.info.run_id for run in client.search_runs([client.get_experiment_by_name("exp").experiment_id])] == [run_id]
+
+
+def test_a_generated_run_name_tells_runs_of_other_folders_apart_and_counts_every_process_s_samples():
+    from types import SimpleNamespace
+
+    from infra.tracking import run_name_for
+
+    def config(output_dir: str) -> dict:
+        return {"TrainingArguments": {"output_dir": output_dir, "learning_rate": 2e-3, "seed": 42}}
+
+    args = SimpleNamespace(run_name=None)
+    assert run_name_for(config("runs/a"), args, 64) == "a-lr0.002-b64-s42"
+    assert run_name_for(config("runs/b/"), args, 64) == "b-lr0.002-b64-s42"
+    assert run_name_for(config("runs/a"), SimpleNamespace(run_name="mine"), 64) == "mine"
