@@ -16,6 +16,7 @@ import atexit
 import contextlib
 import ctypes
 import faulthandler
+import logging
 import os
 import re
 import signal
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
+import transformers
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from transformers.trainer_utils import enable_full_determinism
@@ -178,12 +180,25 @@ def start(args: TrainingArguments) -> Accelerator:
     log_with = None if args.report_to == "none" else args.report_to
     # LaunchError; ConfigError for what depends on the launch (global_batch_size against the processes started)
     accelerator, precision = build_accelerator(args, log_with, dynamo_plugin(args))
+    quiet(accelerator.is_local_main_process)
     accelerator.print(precision)
     if args.full_determinism:
         enable_full_determinism(args.seed)  # set_seed, then deterministic algorithms (and the variables GPUs need)
     else:
         set_seed(args.seed)
     return accelerator
+
+
+def quiet(local_main: bool) -> None:
+    """What the libraries print that a run's user need not read. MLflow's INFO lines (its store's tables made, its system
+    metrics started and stopped): `MLFLOW_LOGGING_LEVEL=INFO` brings them back. accelerate's warning at every save of a
+    model with tied weights ("Removed shared tensor {'lm_head.weight'} while saving ... check ... reloading"): the tie
+    is made again on load, and every resume is tested bit for bit. transformers' progress bars ("Loading weights") on
+    every process but one a machine."""
+    logging.getLogger("mlflow").setLevel(os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING").upper())
+    logging.getLogger("accelerate.utils.other").addFilter(lambda record: "Removed shared tensor" not in record.getMessage())
+    if not local_main:
+        transformers.utils.logging.disable_progress_bar()
 
 
 HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
