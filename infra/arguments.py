@@ -8,6 +8,7 @@ declares beside itself (a new flag goes there), and what neither section can che
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from infra.checkpoint import CheckpointConfig, RetentionConfig, SaveClockConfig
 from infra.config import require
@@ -54,6 +55,13 @@ class LoopConfig:
         },
     )
     logging_steps: int = field(default=10, metadata={"help": "Log metrics every N optimizer steps."})
+    log_level: Literal["info", "debug"] = field(
+        default="info",
+        metadata={
+            "help": "info: the run's own lines (preflight, progress, saves, evals, faults, the end). debug: the libraries' "
+            "too (MLflow's INFO, accelerate's warning at each save of tied weights, progress bars on every process)."
+        },
+    )
     eval_steps: int = field(
         default=0,
         metadata={"help": "Evaluate on the held-out samples every N optimizer steps (0: only at the end); recipes without eval ignore it."},

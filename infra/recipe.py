@@ -180,7 +180,8 @@ def start(args: TrainingArguments) -> Accelerator:
     log_with = None if args.report_to == "none" else args.report_to
     # LaunchError; ConfigError for what depends on the launch (global_batch_size against the processes started)
     accelerator, precision = build_accelerator(args, log_with, dynamo_plugin(args))
-    quiet(accelerator.is_local_main_process)
+    if args.log_level != "debug":
+        quiet(accelerator.is_local_main_process)
     accelerator.print(precision)
     if args.full_determinism:
         enable_full_determinism(args.seed)  # set_seed, then deterministic algorithms (and the variables GPUs need)
@@ -194,7 +195,7 @@ def quiet(local_main: bool) -> None:
     metrics started and stopped): `MLFLOW_LOGGING_LEVEL=INFO` brings them back. accelerate's warning at every save of a
     model with tied weights ("Removed shared tensor {'lm_head.weight'} while saving ... check ... reloading"): the tie
     is made again on load, and every resume is tested bit for bit. transformers' progress bars ("Loading weights") on
-    every process but one a machine."""
+    every process but one a machine. (`log_level: debug` leaves them all.)"""
     logging.getLogger("mlflow").setLevel(os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING").upper())
     logging.getLogger("accelerate.utils.other").addFilter(lambda record: "Removed shared tensor" not in record.getMessage())
     if not local_main:

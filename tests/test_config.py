@@ -147,7 +147,7 @@ def test_every_launcher_config_loads_with_accelerates_own_loader(name):
 
 
 # The command line and YAML keys users' scripts and configs rely on, with their defaults. A change here breaks them:
-# deliberate changes update this list (and the README's notes on upgrading) in the same commit.
+# deliberate changes update this list in the same commit, and say so in its message.
 FROZEN_SURFACE = {
     "TrainingArguments": {
         "output_dir": "runs/default",
@@ -157,6 +157,7 @@ FROZEN_SURFACE = {
         "per_device_train_batch_size": 8,
         "gradient_accumulation_steps": 1,
         "global_batch_size": 0,
+        "log_level": "info",
         "fault_tolerance": "none",
         "replica_group_id": "",
         "lighthouse": "",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -151,6 +152,12 @@ def test_two_processes_train_as_one_job(straight, small_data):
     assert global_sequence(out, 2) == global_order(small_data, epochs=2, world_size=2)[: 2 * STEPS * 2 * MICRO_BATCH * ACCUMULATION]
     # the copies ended identical (infra.sdc compares them before the export, and at every check and save before)
     assert "copies identical on all 2 ranks: weights and optimizer state, " in proc.stdout
+    # quiet: the run's own lines, each once (not once a process), and none of the libraries' (MLflow's INFO lines,
+    # accelerate's warning at each save of the tied output embedding, a warning of any kind)
+    said = [line.strip() for line in (proc.stdout + proc.stderr).replace("\r", "\n").splitlines()]
+    said = [line for line in said if line and not line.startswith("train:")]  # the progress bar's states
+    assert len(said) == len(set(said)), [line for line in said if said.count(line) > 1]
+    assert not [line for line in said if re.search(r"\bINFO\b|[Ww]arning|Removed shared tensor", line)], said
     # a FINISHED MLflow run with the hyperparameters and a falling loss
     import mlflow
 
