@@ -7,6 +7,9 @@ STAMP := $(VENV)/.installed
 
 RECIPE ?= pretrain_clm
 RECIPES := $(sort $(basename $(notdir $(wildcard recipes/*.py))))
+ifeq ($(filter $(RECIPE),$(RECIPES)),)
+$(error RECIPE=$(RECIPE) is not a recipe: expected one of $(RECIPES))
+endif
 RUN_CONFIG ?= recipes/configs/$(RECIPE).yaml
 # The launcher config: DDP on every GPU when there is one, else 2 CPU processes.
 ACCEL_CONFIG ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo accelerate_configs/ddp.yaml || echo accelerate_configs/cpu.yaml)

@@ -6,10 +6,10 @@ python -m infra.compare --experiment pretrain_clm --metric train/loss --output r
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
+from infra.errors import ToolParser
 from infra.tracking import tracking_uri
 
 COLUMNS = ("run", "status", "learning_rate", "samples/step", "steps", "final loss", "eval loss", "throughput", "ETTR", "run id")
@@ -87,7 +87,7 @@ def plot(client, runs, metric: str, output: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ToolParser(prog="python -m infra.compare", description=__doc__.splitlines()[0])
     parser.add_argument("--experiment", default="pretrain_clm", help="MLflow experiment name")
     parser.add_argument("--metric", default="train/loss", help="metric for the last column and the plot")
     parser.add_argument("--output", default="runs/compare.png", help="where the PNG goes")

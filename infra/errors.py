@@ -16,8 +16,12 @@ their own and exit with their own codes.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import difflib
+import re
 from collections.abc import Iterator
+from typing import NoReturn
 
 USAGE_EXIT_CODE = 2  # a mistake in the configuration, said in one line by the program (argparse's code for a usage error)
 
@@ -56,3 +60,27 @@ def raised_as(kind: type[RunError], *errors: type[Exception]) -> Iterator[None]:
         yield
     except errors as err:
         raise kind(str(err)) from None
+
+
+class ToolParser(argparse.ArgumentParser):
+    """argparse for a command-line tool (`python -m infra.<tool>`): a mistake is one line, `<tool>: <what>`, with the
+    flag it was closest to, and exit code 2 (argparse prints its whole usage first)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # a typo must not silently match a longer flag
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        unknown = re.match(r"unrecognized arguments: (--[\w-]+)", message)
+        if unknown and (close := difflib.get_close_matches(unknown[1], sorted(self.flags()), n=1)):
+            message += f" (did you mean '{close[0]}'?)"
+        self.exit(USAGE_EXIT_CODE, f"{self.prog}: {message}; --help lists the arguments\n")
+
+    def flags(self) -> set[str]:
+        """Every `--flag` of this parser and of its subcommands."""
+        found = set()
+        for action in self._actions:
+            found |= {s for s in action.option_strings if s.startswith("--")}
+            if isinstance(action, argparse._SubParsersAction):
+                found |= {flag for sub in action.choices.values() for flag in sub.flags()}
+        return found

@@ -13,7 +13,6 @@ Every checkpoint holds `model/` (the model's transformers config, its processor,
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
@@ -27,6 +26,7 @@ from accelerate import Accelerator
 
 from infra.config import to_json
 from infra.distributed import all_ranks_ok
+from infra.errors import ToolParser
 from infra.files import atomic_write_text, fsync_tree, publish_dir
 from infra.lora import is_adapted
 from infra.tracking import log_model
@@ -177,7 +177,7 @@ def _tied(model: torch.nn.Module, missing: list[str], loaded: dict) -> set[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m infra.export", description="A checkpoint as a from_pretrained folder.")
+    parser = ToolParser(prog="python -m infra.export", description="A checkpoint as a from_pretrained folder.")
     parser.add_argument("--checkpoint", required=True, help="OUTPUT_DIR/checkpoints/step_XXXXXXXX (DDP, ZeRO or FSDP)")
     parser.add_argument("--output", required=True, help="a new folder")
     parser.add_argument(

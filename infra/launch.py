@@ -160,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     args = sys.argv[1:] if argv is None else argv
+    if (config := flag(args, "--config_file")) is not None and not os.path.isfile(config):
+        print(f"launch error: --config_file {config}: no such file (accelerate_configs/ has one per engine)", file=sys.stderr)
+        return USAGE_EXIT_CODE
     if (problem := elastic_problem(args) or node_problem(args)) is not None:
         print(f"launch error: {problem}", file=sys.stderr)
         return 1

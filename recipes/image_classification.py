@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from transformers import AutoConfig, AutoModelForImageClassification, ViTImageProcessor
+from transformers import AutoConfig, AutoModelForImageClassification, ViTImageProcessorPil
 
 from infra import (
     AttentionArguments,
@@ -123,9 +123,10 @@ def check_fits_images(model, source: str, image_size: int, num_channels: int) ->
         model.train(training)
 
 
-def processor_for(image_size: int, num_channels: int) -> ViTImageProcessor:
-    """What `pixels` below does, as an image processor exported with the model: resize, scale to [0, 1], normalise."""
-    return ViTImageProcessor(
+def processor_for(image_size: int, num_channels: int) -> ViTImageProcessorPil:
+    """What `pixels` below does, as an image processor exported with the model: resize, scale to [0, 1], normalise. The
+    PIL one, by name: the default asks for torchvision, which the project does not install (a warning at every import)."""
+    return ViTImageProcessorPil(
         size={"height": image_size, "width": image_size}, image_mean=[0.5] * num_channels, image_std=[0.5] * num_channels
     )
 

@@ -63,3 +63,40 @@ def test_a_mistake_launched_on_two_processes_is_one_line_and_exit_code_2(mistake
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr.splitlines() == [line], proc.stderr[-3000:]
     assert not (tmp_path / "out").exists()  # nothing written
+
+
+@pytest.mark.parametrize(
+    ("entry", "line"),
+    [
+        ("recipes/sft_clm.py --learning_rat 1", "config error: unknown argument '--learning_rat 1' (did you mean '--learning_rate'?)"),
+        ("-m infra.data.prepare --sourc x", "config error: unknown argument '--sourc x' (did you mean '--source'?)"),
+        ("-m infra.data.tasks --tsk sft", "config error: unknown argument '--tsk sft' (did you mean '--task'?)"),
+        ("-m infra.plan --gpu 8", "config error: unknown argument '--gpu 8' (did you mean '--gpus'?)"),
+        (
+            "-m infra.compare --experimnt x",
+            "python -m infra.compare: unrecognized arguments: --experimnt x (did you mean '--experiment'?); --help lists the arguments",
+        ),
+        (
+            "-m infra.export --checkpoin x --output y",  # not taken for --checkpoint (no abbreviations)
+            "python -m infra.export: the following arguments are required: --checkpoint; --help lists the arguments",
+        ),
+        (
+            "-m infra.replicas local --grups 3",
+            "python -m infra.replicas: unrecognized arguments: --grups (did you mean '--groups'?); --help lists the arguments",
+        ),
+        (
+            "-m infra.launch --config_file nope.yaml recipes/pretrain_clm.py",
+            "launch error: --config_file nope.yaml: no such file (accelerate_configs/ has one per engine)",
+        ),
+    ],
+    ids=["recipe", "prepare", "tasks", "plan", "compare", "export", "replicas", "launch"],
+)
+def test_a_mistake_in_any_entry_point_is_one_line_and_exit_code_2(entry, line):
+    proc = subprocess.run([str(BIN / "python"), *entry.split()], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [line], proc.stderr[-3000:]
+
+
+def test_make_names_a_recipe_that_is_not_one_in_one_line():
+    proc = subprocess.run(["make", "train", "RECIPE=pretrain"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "RECIPE=pretrain is not a recipe: expected one of dpo_clm" in proc.stderr, proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and not proc.stdout

@@ -21,6 +21,8 @@ import sys
 import threading
 from pathlib import Path
 
+from infra.errors import ToolParser
+
 # The lighthouse counts a quorum's wait for late groups from the first group waiting, and a group left out of a quorum
 # waits from that quorum on: a window shorter than a step lets the next quorum form as soon as one other group
 # arrives, which leaves the last one out, and so on at every step (one group healing at every step, for good). A dead,
@@ -29,7 +31,7 @@ JOIN_TIMEOUT_MS = 60_000
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m infra.replicas", description=__doc__.split("\n\n")[0])
+    parser = ToolParser(prog="python -m infra.replicas", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     light = sub.add_parser("lighthouse", help="serve the quorum of the replica groups until stopped (SIGTERM, Ctrl-C)")
     light.add_argument("--port", type=int, default=29510, help="port to listen on, every address (default 29510)")
