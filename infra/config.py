@@ -138,7 +138,7 @@ def parse_config(dataclass_types: tuple[type, ...], argv: list[str] | None = Non
         raise SystemExit(USAGE_EXIT_CODE) from None
 
 
-SAID_BY_LOCAL_RANK_0_SECONDS = 10.0
+SAID_BY_LOCAL_RANK_0_SECONDS = 30.0  # it is stopped as soon as local rank 0 exits: waiting longer delays nothing
 
 
 def _parse(dataclass_types: tuple[type, ...], argv: list[str]) -> tuple:
