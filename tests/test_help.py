@@ -97,6 +97,7 @@ def test_a_mistake_in_any_entry_point_is_one_line_and_exit_code_2(entry, line):
 
 
 def test_make_names_a_recipe_that_is_not_one_in_one_line():
-    proc = subprocess.run(["make", "train", "RECIPE=pretrain"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}  # as typed, not in make test
+    proc = subprocess.run(["make", "train", "RECIPE=pretrain"], cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 2 and "RECIPE=pretrain is not a recipe: expected one of dpo_clm" in proc.stderr, proc.stderr
     assert len(proc.stderr.splitlines()) == 1 and not proc.stdout
