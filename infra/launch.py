@@ -146,9 +146,10 @@ def watch_agent(grace: float, restarts: bool) -> None:
 
 
 def said_below(record: logging.LogRecord) -> bool:
-    """torch elastic's lines on a worker that failed ("failed (exitcode: 2) local_rank: 0 (pid: ...) of binary: ..."),
-    and on the others it stops then: this launcher's own line names the ranks and their codes."""
-    return not record.getMessage().startswith(("failed (exitcode", "Sending process"))
+    """torch elastic's line on a worker that exited with a usage error ("failed (exitcode: 2) local_rank: 0 ..."), which
+    the recipe said in one line, and on the others it stops then ("Sending process N closing signal SIGTERM"). A worker
+    that failed otherwise keeps its line: with in-job restarts it is the launch's only word of which rank died."""
+    return not record.getMessage().startswith((f"failed (exitcode: {USAGE_EXIT_CODE})", "Sending process"))
 
 
 def main(argv: list[str] | None = None) -> int:
