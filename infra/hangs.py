@@ -23,7 +23,7 @@ cannot reach rank 0's host. Then:
   its step, for how long) and every thread's Python stack; logged to the MLflow run as artifacts (by the next launch
   that resumes the run, or at once by a surviving rank 0);
 - `OUTPUT_DIR/stopped.json`: the first rank to write it names the fault for batch scripts (`reason: peer_lost`);
-- exit code `PEER_LOST_EXIT_CODE`.
+- exit code `PEER_LOST_EXIT_CODE` (76, infra.stopped).
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
+from infra import stopped
 from infra.errors import RunError
-from infra.files import fsync_dir
+from infra.stopped import PEER_LOST_EXIT_CODE, Reason, Stop
 
-PEER_LOST_EXIT_CODE = 76  # a peer lost or a step hung: the job can go on from its newest checkpoint, with or without that host
 AUTO_FLOOR_SECONDS = 30.0  # ddp_step_timeout 0: never less than this
 AUTO_FACTOR = 5.0  # ... nor less than this x the slowest recent step
 RECENT_STEPS = 100
@@ -231,7 +231,7 @@ class Watchdog:
             if (finding := self.check(time.monotonic() - self._last)) is not None:
                 self.fire(finding, join=True)
 
-    def check(self, idle: float) -> dict | None:
+    def check(self, idle: float) -> Stop | None:
         """What ends the process after `idle` seconds without a finished step, if anything: past the step deadline
         whatever the store says; past the silence deadline, a peer that does not answer."""
         if idle > self.deadline():
@@ -239,7 +239,7 @@ class Watchdog:
         if idle > self.silence() and time.monotonic() - self._asked >= STAMP_SECONDS:  # every rank asks; not too often
             self._asked = time.monotonic()
             finding = self.silent(idle, self.silence())
-            return finding if finding["fault"] == "no answer" else None
+            return finding if finding.fault == "no answer" else None
         return None
 
     def _stamp(self) -> None:
@@ -256,7 +256,7 @@ class Watchdog:
 
     # -- diagnosis ---------------------------------------------------------------------------------------------------------
 
-    def from_error(self, text: str) -> dict:
+    def from_error(self, text: str) -> Stop:
         """A collective's error: a peer that reset its connection (named by its address), or a timeout."""
         if RESET.search(text):
             found = ADDRESS.search(text)
@@ -267,7 +267,7 @@ class Watchdog:
             return self.finding(f"{named}{where} closed its connection: its process died or its host is gone", "connection reset", who)
         return self.silent(time.monotonic() - self._last, self.deadline())
 
-    def silent(self, idle: float, deadline: float) -> dict:
+    def silent(self, idle: float, deadline: float) -> Stop:
         """No step finished here for `idle` seconds: who does not answer, from the store (a few seconds at most)."""
         ok, found = bounded(self._read_store, STORE_WAIT)
         if not ok:
@@ -308,32 +308,27 @@ class Watchdog:
         stamps = {r: float(values[self.STAMP.format(r)]) for r in ranks if self.STAMP.format(r) in values}
         return steps, stamps, time.time()
 
-    def finding(self, what: str, kind: str, who: list[Peer], waited: tuple[float, float] | None = None) -> dict:
+    def finding(self, what: str, kind: str, who: list[Peer], waited: tuple[float, float] | None = None) -> Stop:
         """The stop record and its line; `waited`: (seconds without a step, the deadline passed)."""
         me = self.peers[self.rank]
         waited = f"no step finished for {waited[0]:.0f}s (deadline {waited[1]:.0f}s); " if waited is not None else ""
         line = f"peer lost ({kind}): {me}, after step {self.step}: {waited}{what}"
-        return {
-            "reason": "peer_lost",
-            "fault": kind,
-            "lost": [{"rank": p.rank, "host": p.host} for p in who],
-            "seen_by": {"rank": me.rank, "host": me.host},
-            "message": line,
-        }
+        lost = tuple({"rank": p.rank, "host": p.host} for p in who)
+        return Stop(Reason.PEER_LOST, fault=kind, lost=lost, seen_by={"rank": me.rank, "host": me.host}, message=line)
 
     # -- the exit ----------------------------------------------------------------------------------------------------------
 
-    def fire(self, finding: dict, join: bool) -> None:
+    def fire(self, finding: Stop, join: bool) -> None:
         """Forensics, the stop record, one line, and the exit: once per process, whichever thread gets here first."""
         if not self._fired.acquire(blocking=False):
             if join:  # the main thread is exiting already
                 return
             time.sleep(3600)
-        line = finding["message"]
+        line = finding.message
         with contextlib.suppress(Exception):
             self.write_forensics(line)
         with contextlib.suppress(Exception):
-            write_first_stop_record(self.output_dir, self.step, finding)
+            stopped.write_first(self.output_dir, self.step, finding)
         if self.on_exit is not None:
             with contextlib.suppress(Exception):
                 bounded(lambda: self.on_exit(line), STORE_WAIT)
@@ -371,21 +366,6 @@ def tell_launcher(rank: int, code: int, line: str) -> None:
     agent can wait forever on its rendezvous store after its workers are gone, and the launcher then ends it."""
     if folder := os.environ.get(LAUNCH_STATUS_ENV):
         (Path(folder) / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "code": code, "message": line}))
-
-
-def write_first_stop_record(output_dir: Path, step: int, record: dict) -> bool:
-    """`stopped.json`, unless another rank wrote it first in this launch (True if this one did)."""
-    path = Path(output_dir) / "stopped.json"
-    tmp = path.with_name(f"stopped.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"step": step, **record}))
-    try:
-        os.link(tmp, path)
-        fsync_dir(path.parent)
-        return True
-    except FileExistsError:
-        return False
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def log_forensics(run_id: str | None, output_dir: str | os.PathLike) -> int:

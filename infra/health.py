@@ -17,8 +17,6 @@ from accelerate.utils import DistributedType
 from infra.config import require
 from infra.environment import zero_stage
 
-STRAGGLER_EXIT_CODE = 75  # EX_TEMPFAIL: saved and stopped on purpose, to be restarted without the slow rank
-
 
 @dataclass
 class HealthConfig:

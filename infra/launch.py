@@ -44,9 +44,10 @@ import time
 from pathlib import Path
 
 from infra.errors import USAGE_EXIT_CODE
-from infra.hangs import LAUNCH_STATUS_ENV, PEER_LOST_EXIT_CODE
+from infra.hangs import LAUNCH_STATUS_ENV
 from infra.leave import ending
 from infra.rendezvous import TIMEOUT_ENV, elastic, elastic_problem, flag, node_problem, setting, with_rendezvous
+from infra.stopped import PEER_LOST_EXIT_CODE
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
 # torchrun's --signals_to_handle (its default read from this variable): torch elastic's agent turns these signals into

@@ -3,27 +3,19 @@
 A signal only sets a flag; StepConsensus tells every rank at the same step. After a signal the
 process has `preemption_grace_seconds` to save and exit before a watchdog ends it (the commit is
 atomic: a cut save is never loaded). Why the launch stopped is written to `OUTPUT_DIR/stopped.json`
-for batch scripts (infra/slurm/pretrain.sbatch) to decide whether to requeue.
+(infra.stopped) for batch scripts (infra/slurm/pretrain.sbatch) to decide whether to requeue.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from infra.config import require
-from infra.files import atomic_write_text
-
-# Why the last launch stopped before max_steps: {"step", "reason": "preempted" with the "signal" (SIGUSR1: the
-# time limit is near, requeue; SIGTERM: the scheduler decides), or "straggler" with the slow "hosts" (requeue
-# without them). Removed when a launch starts.
-STOP_RECORD = "stopped.json"
 
 
 @dataclass
@@ -70,13 +62,3 @@ class Preemption:
             self._watchdog.cancel()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-
-
-def clear_stop_record(output_dir: str | os.PathLike) -> None:
-    """At the start of a launch (rank 0): this one has not stopped. An unwritable folder is the preflight's to report."""
-    with contextlib.suppress(OSError):
-        (Path(output_dir) / STOP_RECORD).unlink()
-
-
-def write_stop_record(output_dir: str | os.PathLike, step: int, record: dict) -> None:
-    atomic_write_text(Path(output_dir) / STOP_RECORD, json.dumps({"step": step, **record}))

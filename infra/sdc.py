@@ -35,8 +35,6 @@ from infra.distributed import local
 from infra.environment import zero_stage
 from infra.health import DesyncError
 
-SDC_EXIT_CODE = 77  # copies disagreed again, or could not be repaired: stopped at the newest sound checkpoint
-
 
 @dataclass
 class SdcConfig:

@@ -40,6 +40,7 @@ from accelerate.utils import gather_object
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
+from infra import stopped
 from infra.arguments import TrainingArguments
 from infra.checkpoint import (
     CheckpointError,
@@ -62,7 +63,7 @@ from infra.export import Exporter
 from infra.goodput import Goodput, summary
 from infra.guard import NonFiniteGuard
 from infra.hangs import Watchdog, log_forensics, roster
-from infra.health import STRAGGLER_EXIT_CODE, StragglerDetector, Window, deeper
+from infra.health import StragglerDetector, Window, deeper
 from infra.hooks import Hooks
 from infra.job import Batch, Job, LossOutput
 from infra.leave import MIN_MACHINES_ENV, end_launcher, in_job_problem, restarts_left, standing
@@ -73,13 +74,14 @@ from infra.memory import Setup, Shape, sample_caps
 from infra.metrics import EtaCheck, TrainMetrics
 from infra.observers import Observers
 from infra.optim import build_optimizer, build_scheduler
-from infra.preemption import Preemption, clear_stop_record, write_stop_record
+from infra.preemption import Preemption
 from infra.preflight import run_preflight
 from infra.recipe import attention_of
 from infra.reduction import sum_in_rank_order
 from infra.replay import Passes, Replays, replay_problem
-from infra.sdc import SDC_EXIT_CODE, Copies, Mismatch, describe, sdc_problem
+from infra.sdc import Copies, Mismatch, describe, sdc_problem
 from infra.shares import KeepingUp, Seat, Speeds, rebalanced
+from infra.stopped import Reason, Stop
 from infra.tracking import MetricLogger, end_run, last_logged_step, run_name_for, run_tags, start_run, tracking_uri
 from infra.zero_step import defer_zero_step
 
@@ -175,7 +177,7 @@ class Trainer:
             raise LaunchError(why)
         claim(acc, self.own_dir)  # one job per output_dir: before anything is written, held to the end
         if acc.is_main_process:
-            clear_stop_record(self.own_dir)
+            stopped.clear(self.own_dir)
         if job.prepare_data is not None:  # it writes into its own folder: only under the lock
             job.data = job.prepare_data(self.own_dir)
         ready_for_fsdp(acc, job.model)  # before the optimizer takes the parameters
@@ -604,7 +606,7 @@ class Trainer:
         rate = logged.get(f"perf/{unit}_per_second")  # none in a window of one compiling step
         self.watch.logged(logged, state.step, {"loss": f"{mean_loss:.3f}", **({f"{unit}/s": f"{rate:.0f}"} if rate is not None else {})})
 
-    def stop_reason(self, result: StepResult) -> dict | None:
+    def stop_reason(self, result: StepResult) -> Stop | None:
         """Why to save and stop after this step (the stop record), or None: a preemption, or a straggler to exclude.
         Decided from agreed or gathered values: the same on every rank."""
         window, behind = self.stragglers.step(), {}
@@ -615,19 +617,19 @@ class Trainer:
             if window.report:
                 self.watch.say(window.report)
         if result.preempted:
-            return {"reason": "preempted", "signal": result.preempted}
+            return Stop(Reason.PREEMPTED, signal=result.preempted)
         if (stop := self.combine.stop()) is not None:  # a replica group left out of the quorum (infra.replicas.pace)
             return stop
         if ranks := self.replays.twice:  # named a second time (infra.replay, infra.sdc): a machine that computes wrong
             self.watch.say(f"sdc: {', '.join(f'rank {r}' for r in ranks)} named a second time: a machine that computes wrong")
-            return {**self.leave_out(ranks, "sdc"), "ranks": ranks, "found_at": self.state.step, "tensors": []}
+            return self.leave_out(ranks, Reason.SDC).also(ranks=tuple(ranks), found_at=self.state.step, tensors=())
         if window is not None and window.slow and self.args.straggler_action == "checkpoint_and_exit":
             return self.leave_out(window.slow)
         if behind:
             return self.leave_out(behind)
         return None
 
-    def leave_out(self, ranks, reason: str = "straggler") -> dict:
+    def leave_out(self, ranks, reason: Reason = Reason.STRAGGLER) -> Stop:
         """The stop that leaves the hosts of `ranks` out (a straggler; `sdc`: a machine that computes wrong): in-job where
         the launch is elastic and can go on without them, else by a stop for the scheduler (infra.leave). Its line says
         which, and why not in-job."""
@@ -639,7 +641,7 @@ class Trainer:
             self.watch.say(f"{reason}: {', '.join(hosts)} will leave the job; the others go on without it from this step")
         elif MIN_MACHINES_ENV in os.environ:  # asked for elastic size: say why not this time
             self.watch.say(f"{reason}: the job cannot go on without {', '.join(hosts)} in this launch: {problem}")
-        return {"reason": reason, "hosts": hosts, **({"in_job": True} if problem is None else {})}
+        return Stop(reason, hosts=tuple(hosts), in_job=problem is None)
 
     def rebalance(self, window: Window) -> dict[int, str]:
         """Each process's share of every micro-step after its speed, when that shortens the step (infra.shares.rebalanced):
@@ -689,7 +691,7 @@ class Trainer:
         self.watch.log(dict(self.copies.counts), step=self.state.step)
         return found
 
-    def repair(self, found: Mismatch, stop: dict | None) -> dict | None:
+    def repair(self, found: Mismatch, stop: Stop | None) -> Stop | None:
         """Copies disagree (infra.sdc): back to the newest checkpoint (every committed one was compared before it was
         written), its data position and random state included, so the steps since are trained again on the same
         samples. Or, a rank named before (a machine that computes wrong), sdc_action=stop, or no checkpoint: a stop at
@@ -714,8 +716,8 @@ class Trainer:
         ranks = again or found.ranks
         self.watch.say(f"sdc: stopping at step {self.state.step}, the newest sound checkpoint ({why})")
         # left out in-job where the launch is elastic (the others restart from that checkpoint), else a stop there
-        stop = self.leave_out(ranks, "sdc") if path is not None else {"reason": "sdc", "hosts": sorted({hosts[r] for r in ranks})}
-        return {**stop, "ranks": ranks, "found_at": found.step, "tensors": found.tensors[:10]}
+        stop = self.leave_out(ranks, Reason.SDC) if path is not None else Stop(Reason.SDC, hosts=tuple(sorted({hosts[r] for r in ranks})))
+        return stop.also(ranks=tuple(ranks), found_at=found.step, tensors=tuple(found.tensors[:10]))
 
     def eval_due(self) -> bool:
         args, step = self.args, self.state.step
@@ -763,7 +765,7 @@ class Trainer:
         except CheckpointError as err:  # a full disk, say: the run stops rather than train on with nothing saved
             if self.accelerator.is_main_process:
                 with contextlib.suppress(OSError):  # the disk may be too full even for the record
-                    write_stop_record(self.own_dir, state.step, {"reason": "save_failed", "error": str(err)})
+                    stopped.write(self.own_dir, state.step, Stop(Reason.SAVE_FAILED, error=str(err)))
             raise
         seconds = time.perf_counter() - start
         self.hooks.on_state("saved", state.step, self.model, self.optimizer)
@@ -783,59 +785,39 @@ class Trainer:
         final = self.exporter.export(self.model, {"step": state.step, f"{unit}_seen": state.tokens_seen, **self.latest})
         self.accelerator.print(f"done: step {state.step}, {state.tokens_seen} {unit}; model exported to {final}")
 
-    def close(self, stop: dict | None) -> int:
-        """The one exit: after a stop, its record for the batch script (requeue or not) and the MLflow run KILLED; else the
-        model logged on request and the run FINISHED; goodput logged and printed last; then the process group destroyed. A
-        straggler exits with 75, copies that disagreed for good with 77."""
+    def close(self, stop: Stop | None) -> int:
+        """The one exit: after a stop, its record for the batch script (requeue or not), its line and the MLflow run
+        KILLED; else the model logged on request and the run FINISHED; goodput logged and printed last; then the process
+        group destroyed. Its exit code: the stop's (infra.stopped), else 0."""
         acc, state = self.accelerator, self.state
         self.combine.close()
         self.shares.close()
-        in_job = stop is not None and stop.get("in_job", False)
         if stop is not None:
-            if acc.is_main_process and not in_job:
-                write_stop_record(self.own_dir, state.step, stop)
-            if stop["reason"] == "preempted":
-                acc.print(f"preempted ({stop['signal']}): saved step {state.step}; the next launch resumes from it")
-            elif "replica_group" in stop:
-                code = {"straggler": STRAGGLER_EXIT_CODE, "sdc": SDC_EXIT_CODE}[stop["reason"]]
-                group = stop["replica_group"]
-                acc.print(f"{stop['reason']}: replica group {group} left the quorum after step {state.step} (exit code {code})")
-            elif stop["reason"] == "sdc" and in_job:
-                hosts = " and ".join(stop["hosts"])
-                acc.print(f"sdc: {hosts} leaves and the others restart without it from step {state.step} (exit code {SDC_EXIT_CODE})")
-            elif stop["reason"] == "sdc":
-                named = ", ".join(f"rank {r}" for r in stop["ranks"])
-                line = f"sdc: stopped at step {state.step}, the newest sound checkpoint; start again without {named}"
-                acc.print(f"{line} (exit code {SDC_EXIT_CODE})")
-            elif in_job:
-                hosts = " and ".join(stop["hosts"])
-                acc.print(f"straggler: saved step {state.step}; {hosts} leaves and the others restart without it (exit code 75)")
-            else:
-                acc.print(
-                    f"straggler: saved step {state.step}; exiting with code {STRAGGLER_EXIT_CODE} so the job restarts without the slow rank"
-                )
+            if acc.is_main_process and not stop.in_job:
+                stopped.write(self.own_dir, state.step, stop)
+            acc.print(stop.line(state.step))
         self.checkpoints.close()  # the last upload done
         goodput = self.watch.closed(state.step, finished=stop is None)
         if stop is None and self.args.log_model:
             self.exporter.log_to_mlflow(self.args.register_model)
         end_run("FINISHED" if stop is None else "KILLED")
         acc.print(summary(goodput))
-        code = {"straggler": STRAGGLER_EXIT_CODE, "sdc": SDC_EXIT_CODE}.get(stop["reason"], 0) if stop is not None else 0
+        code = stop.exit_code if stop is not None else 0
         if code:
             self.part_ways(stop, code)
         acc.end_training()
         return code
 
-    def part_ways(self, stop: dict, code: int) -> None:
+    def part_ways(self, stop: Stop, code: int) -> None:
         """After a stop to leave hosts out (a straggler, a machine that computes wrong), the launchers (infra.leave): in-job,
         a leaving host's ends (and its agent), and the others' agents restart without it once it is gone; else, with
         in-job restarts left, every launcher ends with `code`, rather than start that host again."""
         rank = self.accelerator.process_index
-        host, hosts = self.stragglers.hosts[rank], " and ".join(stop["hosts"])
-        if not stop.get("in_job"):
+        host, hosts = self.stragglers.hosts[rank], " and ".join(stop.hosts)
+        if not stop.in_job:
             if restarts_left() > 0:
                 end_launcher(rank, code, f"the job stopped to leave {hosts} out: exiting with code {code}")
-        elif host in stop["hosts"]:
+        elif host in stop.hosts:
             end_launcher(rank, code, f"{host} leaves the job, which goes on without it: exiting with code {code}")
         else:
             with contextlib.suppress(Exception):  # broken once the leaving ranks are gone: then this agent may restart

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections import deque
@@ -18,7 +17,6 @@ from infra.hangs import (
     Watchdog,
     silence_deadline,
     step_deadline,
-    write_first_stop_record,
 )
 
 PEERS = [Peer(0, "h0", ("10.0.0.1",)), Peer(1, "h1", ("10.0.0.2", "192.168.5.2")), Peer(2, "h1", ("10.0.0.2", "192.168.5.2"))]
@@ -74,18 +72,18 @@ def test_a_silent_peer_ends_a_late_step_before_the_step_deadline_and_a_slow_step
     dog.recent.extend([0.3] * 10)
     assert dog.check(7) is None
     finding = dog.check(9)
-    assert finding["fault"] == "no answer" and finding["lost"] == [{"rank": 1, "host": "h1"}]
-    assert "no step finished for 9s (deadline 8s); no answer from rank 1 on h1 for 12s" in finding["message"]
+    assert finding.fault == "no answer" and list(finding.lost) == [{"rank": 1, "host": "h1"}]
+    assert "no step finished for 9s (deadline 8s); no answer from rank 1 on h1 for 12s" in finding.message
     assert dog.check(10) is None  # asked a moment ago
     slow = watchdog(tmp_path, Store({**steps, **alive}))
     assert slow.check(11) is None
     slow._asked -= 2.0
     assert slow.check(29) is None  # asked again: every peer answers
-    assert slow.check(31)["fault"] == "hung step"
+    assert slow.check(31).fault == "hung step"
     with dog.relaxed():  # a save: a peer writing may starve its stamp thread; only the start-up timeout counts
         assert dog.check(100) is None
     cut_off = watchdog(tmp_path, Store({}, hang=True), rank=1)
-    assert cut_off.check(11)["message"].endswith("or the link between the hosts is down")
+    assert cut_off.check(11).message.endswith("or the link between the hosts is down")
 
 
 def test_saves_loads_and_evaluations_get_the_start_up_timeout(tmp_path):
@@ -107,9 +105,9 @@ def test_saves_loads_and_evaluations_get_the_start_up_timeout(tmp_path):
 )
 def test_a_reset_connection_names_every_rank_of_the_host_at_that_address(tmp_path, error):
     finding = watchdog(tmp_path).from_error(error)
-    assert finding["fault"] == "connection reset" and finding["lost"] == [{"rank": 1, "host": "h1"}, {"rank": 2, "host": "h1"}]
-    assert finding["message"].startswith("peer lost (connection reset): rank 0 on h0, after step 7: rank 1 on h1, rank 2 on h1 (")
-    assert finding["message"].endswith("closed its connection: its process died or its host is gone")
+    assert finding.fault == "connection reset" and list(finding.lost) == [{"rank": 1, "host": "h1"}, {"rank": 2, "host": "h1"}]
+    assert finding.message.startswith("peer lost (connection reset): rank 0 on h0, after step 7: rank 1 on h1, rank 2 on h1 (")
+    assert finding.message.endswith("closed its connection: its process died or its host is gone")
 
 
 def test_the_store_tells_a_silent_rank_from_a_stuck_one(tmp_path):
@@ -117,13 +115,13 @@ def test_the_store_tells_a_silent_rank_from_a_stuck_one(tmp_path):
     steps = {f"infra/step/{r}": "7" for r in range(3)}
     silent = Store({**steps, "infra/alive/0": f"{now}", "infra/alive/1": f"{now - 40}", "infra/alive/2": f"{now}"})
     finding = watchdog(tmp_path, silent).silent(35, 30)
-    assert finding["fault"] == "no answer" and finding["lost"] == [{"rank": 1, "host": "h1"}]
-    assert "no step finished for 35s (deadline 30s); no answer from rank 1 on h1 for 40s" in finding["message"]
+    assert finding.fault == "no answer" and list(finding.lost) == [{"rank": 1, "host": "h1"}]
+    assert "no step finished for 35s (deadline 30s); no answer from rank 1 on h1 for 40s" in finding.message
 
     stuck = Store({**steps, "infra/step/2": "6", **{f"infra/alive/{r}": f"{now}" for r in range(3)}})
     finding = watchdog(tmp_path, stuck).silent(35, 30)
-    assert finding["fault"] == "hung step" and finding["lost"] == [{"rank": 2, "host": "h1"}]
-    assert "rank 2 on h1 at step 6 while the others finished step 7: alive but stuck in its step" in finding["message"]
+    assert finding.fault == "hung step" and list(finding.lost) == [{"rank": 2, "host": "h1"}]
+    assert "rank 2 on h1 at step 6 while the others finished step 7: alive but stuck in its step" in finding.message
 
 
 def test_the_store_is_read_in_one_request_when_every_key_is_there(tmp_path):
@@ -140,15 +138,8 @@ def test_a_store_that_never_answers_is_reported_in_seconds(tmp_path):
     start = time.monotonic()
     finding = watchdog(tmp_path, Store({}, hang=True), rank=1).silent(31, 30)
     assert time.monotonic() - start < STORE_WAIT + 1
-    assert finding["lost"] == [{"rank": 0, "host": "h0"}]
-    assert "the job's store on h0 (rank 0's host) does not answer from h1" in finding["message"]
-
-
-def test_the_first_rank_to_record_the_stop_wins(tmp_path):
-    assert write_first_stop_record(tmp_path, 7, {"reason": "peer_lost", "seen_by": {"rank": 0}})
-    assert not write_first_stop_record(tmp_path, 7, {"reason": "peer_lost", "seen_by": {"rank": 1}})
-    assert json.loads((tmp_path / "stopped.json").read_text())["seen_by"] == {"rank": 0}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["stopped.json"]
+    assert list(finding.lost) == [{"rank": 0, "host": "h0"}]
+    assert "the job's store on h0 (rank 0's host) does not answer from h1" in finding.message
 
 
 def test_forensics_hold_the_line_the_last_collective_and_every_threads_stack(tmp_path):
@@ -171,12 +162,12 @@ def test_only_a_collectives_error_is_taken_for_a_lost_peer(tmp_path, monkeypatch
         raise ValueError("no such column")
     with dog.explaining():
         raise RuntimeError("[pair.cc:553] Connection closed by peer [10.0.0.2]:41235")
-    assert [f["lost"] for f in fired] == [[{"rank": 1, "host": "h1"}, {"rank": 2, "host": "h1"}]]
+    assert [list(f.lost) for f in fired] == [[{"rank": 1, "host": "h1"}, {"rank": 2, "host": "h1"}]]
 
 
 def test_a_reset_without_an_address_names_no_one(tmp_path):
     finding = watchdog(tmp_path).from_error("Broken pipe")
-    assert finding["lost"] == [] and "a peer closed its connection" in finding["message"]
+    assert list(finding.lost) == [] and "a peer closed its connection" in finding.message
 
 
 def test_the_line_a_watchdog_exits_with_starts_a_line_of_its_own_below_a_progress_bar():

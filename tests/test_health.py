@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from infra.distributed import FSDP_ON_CPU_ENV
-from infra.health import STRAGGLER_EXIT_CODE
+from infra.stopped import STRAGGLER_EXIT_CODE
 from infra.testing import FAULTS_ENV
 from tests.conftest import REPO, launch_command, run_launch
 from tests.test_pretrain import assert_same_weights, global_order, global_sequence, mixture_args, recipe_args, trace, weights

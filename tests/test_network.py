@@ -21,9 +21,10 @@ import pytest
 
 from infra.checkpoint import read_manifest
 from infra.distributed import FSDP_ON_CPU_ENV
-from infra.hangs import AUTO_FLOOR_SECONDS, PEER_LOST_EXIT_CODE, SILENT_FLOOR_SECONDS
+from infra.hangs import AUTO_FLOOR_SECONDS, SILENT_FLOOR_SECONDS
 from infra.launch import AGENT_GRACE_SECONDS
 from infra.rendezvous import TIMEOUT_ENV
+from infra.stopped import PEER_LOST_EXIT_CODE
 from infra.testing import FAULTS_ENV
 from tests.conftest import REPO, launch, launch_command
 from tests.hosts import Hosts

@@ -15,7 +15,8 @@ from accelerate.utils import DistributedType
 
 from infra.config import ConfigError
 from infra.replay import WARMUP, Attempt, Passes, Replays, Verdict, float_bits, judged, replay_problem, suspicion
-from infra.sdc import SDC_EXIT_CODE, SdcConfig, exact_halves, whole
+from infra.sdc import SdcConfig, exact_halves, whole
+from infra.stopped import SDC_EXIT_CODE
 from tests.test_health import run
 from tests.test_pretrain import assert_same_weights, global_sequence, recipe_args
 from tests.test_sdc import model_digests

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from infra.sdc import SDC_EXIT_CODE, bits, disagreeing
+from infra.sdc import bits, disagreeing
+from infra.stopped import SDC_EXIT_CODE
 from tests.test_health import run
 from tests.test_pretrain import assert_same_weights, global_sequence, recipe_args
 

@@ -29,6 +29,7 @@ from infra.replicas.copies import GroupCopies
 from infra.replicas.pace import Decision, GroupPace
 from infra.replicas.quorum import ReplicaGroup, as_parts, digest, from_part
 from infra.shares import Seat
+from infra.stopped import Reason, Stop
 
 
 class QuorumSum:
@@ -47,7 +48,7 @@ class QuorumSum:
         self.heals: list[tuple[int, float]] = []  # (step healed to, seconds), to log
         self.pace: GroupPace | None = None  # the groups' shares after their speeds (straggler_action: rebalance)
         self.counted = (0.0, 0.0)  # when the try's count across the groups began and ended (perf_counter)
-        self.leaving: dict | None = None  # this group's stop, once rebalancing cannot keep up with it (or it computes wrong)
+        self.leaving: Stop | None = None  # this group's stop, once rebalancing cannot keep up with it (or it computes wrong)
         self.found: list[int] = []  # the groups (quorum ranks) whose copies of the state differed in this try
         self.times_named = 0  # how often this group's copy was found apart from the others'
 
@@ -252,13 +253,13 @@ class QuorumSum:
             elif g == seat.rank:
                 self.say(f"straggler: this group cannot be kept up with ({why}); it leaves the quorum, which goes on without it")
                 hosts = sorted(set(self.trainer.stragglers.hosts))
-                self.leaving = {"reason": "straggler", "hosts": hosts, "replica_group": self.args.replica_group_id}
+                self.leaving = Stop(Reason.STRAGGLER, hosts=tuple(hosts), replica_group=self.args.replica_group_id)
             else:
                 self.say(f"straggler: {name(g)} cannot be kept up with ({why}); it leaves the quorum")
         shares = {f"shares/group_{g}": float(size) for g, size in enumerate(decision.after)}
         return shares | {f"straggler/group_{g}": ratio for g, ratio in enumerate(decision.ratios)}
 
-    def stop(self) -> dict | None:
+    def stop(self) -> Stop | None:
         """This group's stop after a committed step: when it leaves the quorum, a straggler (infra.replicas.pace)."""
         return self.leaving
 
@@ -311,7 +312,7 @@ class QuorumSum:
                 self.say("sdc: this group's copy was apart a second time: it leaves the quorum after its next step")
                 hosts = sorted(set(t.stragglers.hosts))
                 ranks = list(range(t.accelerator.num_processes))
-                self.leaving = {"reason": "sdc", "hosts": hosts, "replica_group": self.args.replica_group_id, "ranks": ranks}
+                self.leaving = Stop(Reason.SDC, hosts=tuple(hosts), replica_group=self.args.replica_group_id, ranks=tuple(ranks))
             self.say("sdc: this group heals from a live group at the next quorum")
             self.group.set_step(step - 1)  # behind the others: the quorum sends it their state
 
