@@ -7,7 +7,7 @@
 
 The Trainer (infra.trainer) calls them at the same points, in this order, on every process:
 
-    combine.bind(trainer)                       once built: what it reads of the loop (the model, the watchdog, ...)
+    combine.bind(loop)                          once built: the loop's calls it may make (`Loop` below: never the Trainer)
     path, manifest = combine.restore(load)      where the run starts (QuorumSum: the first quorum, or a heal)
     seat = combine.begin()                      each try at a step: its seat among the groups that split it
     items = combine.count(items)                the step's items, summed over every process that trains on it
@@ -24,22 +24,56 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from infra.shares import ALONE, Seat
 from infra.stopped import Stop
 
+if TYPE_CHECKING:  # the loop's parts, named in the Loop's annotations only (infra.arguments imports infra.replicas)
+    from accelerate import Accelerator
+
+    from infra.arguments import TrainingArguments
+    from infra.checkpoint import CheckpointManager
+    from infra.observers import Observers
+
+
+class Loop(Protocol):
+    """What a combine may ask of the training loop (infra.trainer.Trainer is one): the combine holds this, never the
+    Trainer, reads what is here and changes the loop only through these calls."""
+
+    accelerator: Accelerator
+    args: TrainingArguments
+    model: torch.nn.Module  # as prepared (DDP, DeepSpeed's engine, FSDP2's root)
+    optimizer: torch.optim.Optimizer
+    checkpoints: CheckpointManager
+    latest: dict[str, float]  # the latest of each metric
+    step_started: float  # when the try at the step under way began (time.monotonic)
+    watch: Observers  # say, log, entering (a collective), relaxed (a wait that is no hang), allow_waits
+
+    @property
+    def at_step(self) -> int: ...  # the steps taken (the last one committed)
+    @property
+    def hosts(self) -> list[str]: ...  # each rank's host
+    @property
+    def samples_per_step(self) -> int: ...
+    @property
+    def samples_read(self) -> int: ...  # this process's samples of the try under way
+    def live_state(self) -> dict: ...  # everything another copy needs to train on as this one (state dicts)
+    def load_live_state(self, state: dict, placed: Callable[[Any, torch.Tensor], Any]) -> None: ...
+    def healed(self) -> None: ...  # its state was replaced by a live copy's (load_live_state): the observers and hooks told
+    def go_back(self, which: str) -> str | None: ...  # back to a checkpoint, its data position included (a repair)
+
 
 class Combine(Protocol):
-    """The calls above; `bind` takes the Trainer (not imported here: it imports this module)."""
+    """The calls above; `bind` takes the loop (`Loop`)."""
 
     items_where: str  # what the watchdog says a rank waits on while the items are counted, and in the passes
     backward_where: str
     saves: bool  # whether this process's job writes the checkpoints
 
-    def bind(self, trainer: Any) -> None: ...
+    def bind(self, loop: Loop) -> None: ...
     def restore(self, load: Callable[[], tuple[str | None, dict]]) -> tuple[str | None, dict]: ...
     def who(self) -> str: ...
     def batch(self) -> str: ...
@@ -64,19 +98,19 @@ class EngineSum:
     backward_where = "forward and backward (the gradient all-reduce)"
     saves = True
 
-    def bind(self, trainer: Any) -> None:
-        self.trainer = trainer
+    def bind(self, loop: Loop) -> None:
+        self.loop = loop
 
     def restore(self, load):
         return load()
 
     def who(self) -> str:
-        acc = self.trainer.accelerator
+        acc = self.loop.accelerator
         return f"world size {acc.num_processes} ({acc.distributed_type.value})"
 
     def batch(self) -> str:
-        steps = self.trainer.args.gradient_accumulation_steps
-        return f"{self.trainer.shares.samples_per_step} samples per step ({steps} micro-step{'s' if steps > 1 else ''})"
+        steps = self.loop.args.gradient_accumulation_steps
+        return f"{self.loop.samples_per_step} samples per step ({steps} micro-step{'s' if steps > 1 else ''})"
 
     def begin(self) -> Seat:
         return ALONE
@@ -85,7 +119,7 @@ class EngineSum:
         return items
 
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager:
-        return self.trainer.accelerator.accumulate(self.trainer.model)
+        return self.loop.accelerator.accumulate(self.loop.model)
 
     def gradients(self, step_loss: torch.Tensor, num_items_in_batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's summed loss of the step, over the items; the same times the items): summed already."""

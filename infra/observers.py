@@ -96,6 +96,16 @@ class Observers:
             self.trace.close()
             self.trace = self.new_trace(step)
 
+    def healed(self, step: int) -> None:
+        """This replica group's state replaced by a live one's, of `step` (infra.replicas): the bar there."""
+        if self.bar is not None:
+            self.bar.n = step
+
+    def allow_waits(self, seconds: float) -> None:
+        """A rank may wait this long inside a step (on other replica groups): the watchdog takes no silence shorter than
+        that for a lost peer."""
+        self.watchdog.floor = max(self.watchdog.floor, seconds)
+
     def log(self, metrics: dict[str, float], step: int, again: bool = False) -> None:
         self.tracker.log(metrics, step=step, again=again)
 

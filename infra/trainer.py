@@ -242,6 +242,58 @@ class Trainer:
         """Where this job's own files go (its lock, goodput, sample trace, hang reports, stop record, MLflow run id)."""
         return self.args.own_dir
 
+    # -- what a combine may ask of the loop (infra.combine.Loop) ------------------------------------------------------
+
+    @property
+    def at_step(self) -> int:
+        return self.state.step
+
+    @property
+    def hosts(self) -> list[str]:
+        return self.stragglers.hosts
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.shares.samples_per_step
+
+    @property
+    def samples_read(self) -> int:
+        return self.shares.samples_read
+
+    def live_state(self) -> dict:
+        """Everything another copy of this state needs to train on as this one: the state dicts of the model, the
+        optimizer, the schedule, the data position and the counters; the latest metrics (a replica group's heal)."""
+        acc = self.accelerator
+        return {
+            "model": acc.unwrap_model(self.model).state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "cursor": self.cursor.state_dict(),
+            "train": self.state.state_dict(),
+            "metrics": dict(self.latest),
+        }
+
+    def load_live_state(self, state: dict, placed) -> None:
+        """`live_state`'s of another copy loaded; `placed(value, like)`: a received tensor laid out as this process's
+        `like` (under FSDP2 a part of a sharded tensor)."""
+        model = self.accelerator.unwrap_model(self.model)
+        ours = model.state_dict()
+        model.load_state_dict({k: placed(v, ours[k]) for k, v in state["model"].items()})
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]  # the optimizer state's numbering
+        moments = {i: {k: placed(v, params[i]) for k, v in s.items()} for i, s in state["optimizer"]["state"].items()}
+        self.optimizer.load_state_dict({**state["optimizer"], "state": moments})
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.cursor.load_state_dict(state["cursor"])
+        self.state.load_state_dict(state["train"])
+        self.latest = dict(state["metrics"])
+
+    def healed(self) -> None:
+        """The state was replaced by a live copy's: the test hooks and the progress bar told."""
+        self.hooks.on_state("healed", self.state.step, self.model, self.optimizer)
+        self.watch.healed(self.state.step)
+
+    # -- the loop -------------------------------------------------------------------------------------------------------
+
     def shares_of(self, loader) -> EvenShares | SplitShares:
         """What each process trains on at a step: its loader's even share, or with replica groups its part of the step's
         global batch by its group's seat in the quorum (infra.data.steps)."""
@@ -587,6 +639,20 @@ class Trainer:
         window starts again from its step."""
         self.went_back(self.guard.act(self.state, self.cursor, self.watch.relaxed))
 
+    def go_back(self, which: str, repair: bool = True) -> str | None:
+        """The rollback of a repair (copies that disagreed: infra.sdc, infra.replicas): the save under way finished, the
+        state of checkpoint `which` (or the newest that verifies: "auto") loaded, its data position included, so the
+        steps since are trained again on the same samples; the loop's meters and observers told. Its path (None: no
+        checkpoint, nothing changed). The non-finite guard's rollback is another: it keeps the data position, skipping
+        the batches since (infra.guard)."""
+        with self.watch.relaxed("the rollback"):
+            self.checkpoints.wait()
+            path, manifest = self.load_checkpoint(which)
+        if path is not None:
+            self.went_back(manifest, repair=repair)
+            self.shares.start()  # from the checkpoint's data position
+        return path
+
     def went_back(self, manifest: dict, repair: bool = False) -> None:
         """After the state of `manifest`'s checkpoint was loaded in the loop (a rollback, a repair): its metrics, the
         loss meter, the observers (`repair`: goodput counts the steps undone as the repair's) and the combine."""
@@ -700,14 +766,9 @@ class Trainer:
         self.watch.say(f"sdc: {describe(found, hosts)}")
         again = copies.again(found)
         why = "named before: a machine that computes wrong" if again else "sdc_action=stop" if copies.action == "stop" else None
-        with self.watch.relaxed("the rollback"):
-            self.checkpoints.wait()
-            path, manifest = self.load_checkpoint("auto")
+        path = self.go_back("auto", repair=why is None)
         if path is None:
             why = why or "no checkpoint to return to"
-        else:
-            self.went_back(manifest, repair=why is None)
-            self.shares.start()  # from the checkpoint's data position
         if why is None:
             copies.counts["sdc/repairs"] += 1
             self.watch.log(dict(copies.counts), step=self.state.step)

@@ -79,8 +79,8 @@ def test_the_groups_copies_travel_exactly_in_their_slots_and_the_group_apart_is_
     from infra.sdc import exact_halves
 
     numbers = [2**63 - 5, -(2**62) - 3, 2**63 - 5]  # any int64: two exact float64 halves each
-    trainer = SimpleNamespace(state=SimpleNamespace(step=10), accelerator=SimpleNamespace(num_processes=1))
-    copies = GroupCopies(trainer, every=5, save_steps=0, active=True)
+    loop = SimpleNamespace(at_step=10, accelerator=SimpleNamespace(num_processes=1))  # infra.combine.Loop's fields read
+    copies = GroupCopies(loop, every=5, save_steps=0, active=True)
     summed = torch.zeros(6, dtype=torch.float64)
     for rank, number in enumerate(numbers):  # each group's report in its slot, summed across the quorum
         summed[2 * rank : 2 * rank + 2] += exact_halves(torch.tensor(number))
@@ -89,9 +89,9 @@ def test_the_groups_copies_travel_exactly_in_their_slots_and_the_group_apart_is_
     assert copies.received(summed) == [] and copies.agreed_at == 10
     assert copies.received(summed[:4] + torch.tensor([0, 0, 0, 1.0], dtype=torch.float64)) == [0, 1]  # two: no majority
     assert copies.counts == {"sdc/group_checks": 3, "sdc/group_mismatches": 2}
-    trainer.state.step = 12
-    assert not copies.due() and not GroupCopies(trainer, every=4, save_steps=0, active=False).due()
-    assert GroupCopies(trainer, every=50, save_steps=6, active=True).due()  # a step just saved is checked too
+    loop.at_step = 12
+    assert not copies.due() and not GroupCopies(loop, every=4, save_steps=0, active=False).due()
+    assert GroupCopies(loop, every=50, save_steps=6, active=True).due()  # a step just saved is checked too
     # the int64 bit-sum of a process's whole state, as reported (weights and Adam moments; equal states, equal numbers)
     from infra.sdc import state_bits
 

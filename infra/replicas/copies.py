@@ -25,28 +25,29 @@ from __future__ import annotations
 
 import torch
 
+from infra.combine import Loop
 from infra.sdc import disagreeing, exact_halves, state_bits, whole
 
 
 class GroupCopies:
     """This group's side of the comparison: what it sends, what it makes of the sum."""
 
-    def __init__(self, trainer, every: int, save_steps: int, active: bool):
-        self.trainer, self.every, self.save_steps, self.active = trainer, every, save_steps, active
+    def __init__(self, loop: Loop, every: int, save_steps: int, active: bool):
+        self.loop, self.every, self.save_steps, self.active = loop, every, save_steps, active
         self.agreed_at = 0  # the last step at which every group's copy agreed (or where this launch started)
         self.counts = {"sdc/group_checks": 0, "sdc/group_mismatches": 0}
 
     def due(self) -> bool:
         """Whether the coming try's sum carries the groups' numbers: the state of a step at the interval or of a step
         saved by save_steps (the same step, and so the same answer, in every group of the quorum)."""
-        step = self.trainer.state.step
+        step = self.loop.at_step
         saved = self.save_steps > 0 and step % self.save_steps == 0
         return self.active and step > 0 and (step % self.every == 0 or saved)
 
     def report(self, rank: int, size: int) -> torch.Tensor:
         """This process's number in its group's slot of `size` (two float64 halves, exact in any sum of one)."""
-        t = self.trainer
-        number = torch.tensor(state_bits(t.accelerator, t.model, t.optimizer), dtype=torch.int64)
+        loop = self.loop
+        number = torch.tensor(state_bits(loop.accelerator, loop.model, loop.optimizer), dtype=torch.int64)
         sent = torch.zeros(2 * size, dtype=torch.float64)
         sent[2 * rank : 2 * rank + 2] = exact_halves(number)
         return sent
@@ -56,7 +57,7 @@ class GroupCopies:
         In a group of several processes each process's numbers (of its slice, under FSDP) are summed over the group
         first (one small all-reduce inside it), so that every process of a group decides the same."""
         numbers = whole(summed.reshape(-1, 2).cpu())
-        acc = self.trainer.accelerator
+        acc = self.loop.accelerator
         if acc.num_processes > 1:
             numbers = numbers.to(acc.device)
             torch.distributed.all_reduce(numbers)  # wraps like the numbers themselves: equal in, equal out
@@ -64,7 +65,7 @@ class GroupCopies:
         self.counts["sdc/group_checks"] += 1
         ranks, _ = disagreeing(numbers.reshape(-1, 1))
         if not ranks:
-            self.agreed_at = self.trainer.state.step
+            self.agreed_at = self.loop.at_step
             return []
         self.counts["sdc/group_mismatches"] += 1
         return ranks

@@ -1,4 +1,4 @@
-"""This replica group's seat in the quorum: torchft's Manager, and what the Trainer asks of it.
+"""This replica group's seat in the quorum: torchft's Manager, and what the loop asks of it.
 
     group = ReplicaGroup(accelerator, config, state_dict=..., load_state_dict=...)
     seat = group.quorum()          # before a step: the live groups, this group's rank among them; may heal this group
@@ -192,7 +192,7 @@ class ReplicaGroup:
 
         from infra.replicas.gloo import BoundedGloo
 
-        logging.getLogger("torchft").setLevel(logging.CRITICAL)  # tracebacks of a lost peer: the Trainer says it in a line
+        logging.getLogger("torchft").setLevel(logging.CRITICAL)  # tracebacks of a lost peer: the loop says it in a line
 
         self.accelerator, self.min_replicas = accelerator, config.min_replicas
         host = route_address(config.lighthouse)
@@ -203,7 +203,7 @@ class ReplicaGroup:
         if accelerator.num_processes > 1:
             broadcast_object_list(store)
         timeout = timedelta(seconds=config.replica_timeout_seconds)
-        self.loaded: int | None = None  # the step a heal brought, until the Trainer reads it
+        self.loaded: int | None = None  # the step a heal brought, until the loop reads it
         self.id = config.replica_group_id
         # FSDP: each process of the group holds its own part of the state, and heals it from the same process of a peer
         self.parted = accelerator.distributed_type == DistributedType.FSDP
