@@ -44,9 +44,8 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
-from infra import stopped
 from infra.errors import RunError
-from infra.stopped import PEER_LOST_EXIT_CODE, Reason, Stop
+from infra.stopped import PEER_LOST_EXIT_CODE, Reason, Stop, write_first_record
 
 AUTO_FLOOR_SECONDS = 30.0  # ddp_step_timeout 0: never less than this
 AUTO_FACTOR = 5.0  # ... nor less than this x the slowest recent step
@@ -328,7 +327,7 @@ class Watchdog:
         with contextlib.suppress(Exception):
             self.write_forensics(line)
         with contextlib.suppress(Exception):
-            stopped.write_first(self.output_dir, self.step, finding)
+            write_first_record(self.output_dir, self.step, finding)
         if self.on_exit is not None:
             with contextlib.suppress(Exception):
                 bounded(lambda: self.on_exit(line), STORE_WAIT)

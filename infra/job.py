@@ -78,3 +78,8 @@ class Job:
     # data made once the Trainer holds the output_dir's lock, in place of `data`, given the job's own folder to write in
     # (DPO's reference scores, infra.reference: a replica group's own, infra.replicas); `data` gives its shape until then
     prepare_data: Callable[[str], Data] | None = None
+
+
+def attention_of(model: torch.nn.Module) -> str | None:
+    """The attention kernel a transformers model runs with (None for a model without attention, a ResNet say)."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)

@@ -24,10 +24,16 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+
 from infra.hangs import LAUNCH_STATUS_ENV, Peer, my_addresses
+from infra.stopped import Reason, Stop
 
 MIN_MACHINES_ENV = "INFRA_MIN_MACHINES"  # set by infra.launch for its training processes with --min_machines
 RENDEZVOUS_HOST_ENV = "INFRA_RENDEZVOUS_HOST"  # and the address of node 0, which serves the rendezvous
@@ -106,3 +112,32 @@ def ending(folder: Path) -> dict | None:
         with contextlib.suppress(OSError, ValueError):
             asked.append(json.loads(path.read_text()))
     return asked[0] if asked and len(asked) >= asked[0]["ranks"] else None
+
+
+def leave_out(acc: Accelerator, peers: list[Peer], ranks, reason: Reason, replicas: bool, say: Callable[[str], None]) -> Stop:
+    """The stop that leaves the hosts of `ranks` out (a straggler; `sdc`: a machine that computes wrong): in-job where
+    the launch is elastic and can go on without them, else by a stop for the scheduler. Its line says which, and why
+    not in-job. Every rank calls it (one all-gather of each rank's own view)."""
+    hosts = sorted({peers[rank].host for rank in ranks})
+    standings = [standing()] if acc.num_processes == 1 else gather_object([standing()])  # each rank's own view
+    problem = in_job_problem(peers, hosts, standings, replicas)
+    if problem is None:
+        say(f"{reason}: {', '.join(hosts)} will leave the job; the others go on without it from this step")
+    elif MIN_MACHINES_ENV in os.environ:  # asked for elastic size: say why not this time
+        say(f"{reason}: the job cannot go on without {', '.join(hosts)} in this launch: {problem}")
+    return Stop(reason, hosts=tuple(hosts), in_job=problem is None)
+
+
+def part_ways(rank: int, host: str, stop: Stop) -> None:
+    """After a stop to leave hosts out (a straggler, a machine that computes wrong), the launchers: in-job, a leaving
+    host's ends (and its agent), and the others' agents restart without it once it is gone; else, with in-job restarts
+    left, every launcher ends with the stop's code, rather than start that host again."""
+    code, hosts = stop.exit_code, " and ".join(stop.hosts)
+    if not stop.in_job:
+        if restarts_left() > 0:
+            end_launcher(rank, code, f"the job stopped to leave {hosts} out: exiting with code {code}")
+    elif host in stop.hosts:
+        end_launcher(rank, code, f"{host} leaves the job, which goes on without it: exiting with code {code}")
+    else:
+        with contextlib.suppress(Exception):  # broken once the leaving ranks are gone: then this agent may restart
+            torch.distributed.barrier()

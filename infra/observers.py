@@ -96,6 +96,18 @@ class Observers:
             self.trace.close()
             self.trace = self.new_trace(step)
 
+    def explaining(self) -> contextlib.AbstractContextManager:
+        """The loop's body: a collective's error inside it is explained (a lost peer named) rather than raised."""
+        return self.watchdog.explaining()
+
+    def on_lost_peer(self, call: Callable[[str], None]) -> None:
+        """`call(line)` before this process exits for a lost peer (rank 0 logs the hang reports at once)."""
+        self.watchdog.on_exit = call
+
+    def ledger(self) -> dict:
+        """Goodput's time history of the weights so far, for a checkpoint (infra.goodput)."""
+        return self.goodput.ledger()
+
     def healed(self, step: int) -> None:
         """This replica group's state replaced by a live one's, of `step` (infra.replicas): the bar there."""
         if self.bar is not None:

@@ -97,11 +97,6 @@ class AttentionArguments:
             require(is_flash_attn_2_available(), "attn_implementation", name, accepted)
 
 
-def attention_of(model: torch.nn.Module) -> str | None:
-    """The attention kernel a transformers model runs with (None for a model without attention, a ResNet say)."""
-    return getattr(getattr(model, "config", None), "_attn_implementation", None)
-
-
 def predicted_tokens(labels: torch.Tensor) -> torch.Tensor:
     """The tokens a causal LM's loss counts (its `items`): each sample's labels after the first that are not -100
     (transformers shifts the labels by one inside the model)."""

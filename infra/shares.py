@@ -187,6 +187,15 @@ def rebalanced(
     return sizes if sizes != list(current) and after <= (1 - gain) * before else probed(current, speeds, floor, gain, caps)
 
 
+def rebalanced_line(
+    what: str, names: Sequence[str], before: Sequence[int], after: Sequence[int], per_sample: Sequence[float], step: int
+) -> str:
+    """The line of a change of shares: `what` ("each micro-step's 8 samples"), from `step`, each one's share before and
+    after and its seconds a sample, by `names` (ranks and their hosts; replica groups)."""
+    was = ", ".join(f"{n} {a} -> {b} ({t * 1000:.1f} ms a sample)" for n, a, b, t in zip(names, before, after, per_sample, strict=True))
+    return f"rebalanced: {what} from step {step}: {was}"
+
+
 def probed(current: Sequence[int], speeds: Speeds, floor: int, gain: float, caps: Sequence[int]) -> list[int] | None:
     """One sample more for the process that finished first by twice `gain`, from the one that finished last, when the
     first holds less than an even share and the split measured is the one in force: what the model would not move

@@ -2,7 +2,7 @@
 
     Stop(Reason.STRAGGLER, hosts=("node-3",))     # built where the loop decides it (infra.trainer, infra.replicas)
     stop.exit_code, stop.line(step)                # the launch's code and its last line (Trainer.close)
-    write(output_dir, step, stop)                  # for the scheduler; read by `python -m infra.stopped FILE`
+    write_record(output_dir, step, stop)           # for the scheduler; read by `python -m infra.stopped FILE`
 
 The file is written by rank 0 when the job saved and stopped (a preemption, a straggler or a machine that computes wrong
 left out, a failed save), or by the first rank to see a lost peer (infra.hangs), and removed when a launch starts. Its
@@ -116,18 +116,18 @@ def from_record(record: dict) -> Stop:
     return Stop(**fields)
 
 
-def clear(output_dir: str | os.PathLike) -> None:
+def clear_record(output_dir: str | os.PathLike) -> None:
     """At the start of a launch (rank 0): this one has not stopped. An unwritable folder is the preflight's to report."""
     with contextlib.suppress(OSError):
         (Path(output_dir) / STOP_RECORD).unlink()
 
 
-def write(output_dir: str | os.PathLike, step: int, stop: Stop) -> None:
+def write_record(output_dir: str | os.PathLike, step: int, stop: Stop) -> None:
     """stopped.json, atomically (rank 0 after an agreed stop)."""
     atomic_write_text(Path(output_dir) / STOP_RECORD, json.dumps(stop.record(step)))
 
 
-def write_first(output_dir: str | os.PathLike, step: int, stop: Stop) -> bool:
+def write_first_record(output_dir: str | os.PathLike, step: int, stop: Stop) -> bool:
     """stopped.json, unless another rank wrote it first in this launch (True if this one did): a lost peer is seen by
     several ranks at once, each in its own process."""
     path = Path(output_dir) / STOP_RECORD
@@ -143,7 +143,7 @@ def write_first(output_dir: str | os.PathLike, step: int, stop: Stop) -> bool:
         tmp.unlink(missing_ok=True)
 
 
-def read(path: str | os.PathLike) -> tuple[int, Stop]:
+def read_record(path: str | os.PathLike) -> tuple[int, Stop]:
     """A stopped.json's step and Stop."""
     record = json.loads(Path(path).read_text())
     return int(record.pop("step")), from_record(record)
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m infra.stopped OUTPUT_DIR/stopped.json", file=sys.stderr)
         return 2
     try:
-        _, stop = read(argv[0])
+        _, stop = read_record(argv[0])
     except (OSError, ValueError, KeyError, TypeError) as err:
         print(f"infra.stopped: {argv[0]} is not a stop record ({type(err).__name__}: {err})", file=sys.stderr)
         return 2

@@ -5,7 +5,7 @@
 
 `run()` is the whole story: the preflight, the resume of the newest checkpoint that verifies (and of
 the same MLflow run), then optimizer steps to `max_steps`, each followed by what is due (logging,
-held-out eval, a checkpoint), until the end or a stop (a preemption, a straggler); then the export
+held-out eval, a checkpoint), until the end or a stop (infra.stopped: a preemption, a straggler); then the export
 and one exit. Each phase is a method and each concern a component built in the constructor:
 
     checkpoints  infra.checkpoint    save, commit, verify, resume, retention
@@ -15,8 +15,10 @@ and one exit. Each phase is a method and each concern a component built in the c
     metrics      infra.metrics       what is logged every logging_steps
     exporter     infra.export        final/ and its model card
     stragglers   infra.health        slow ranks named (and a job that saves and exits without them)
+    rebalancing  infra.rebalance     each rank's share after its speed (straggler_action: rebalance)
     shares       infra.data.steps    what each process trains on at a step
-    combine      infra.combine       how the processes' gradients are combined, and whether a step counts
+    combine      infra.combine       how the processes' gradients are combined, and whether a step counts; it
+                                     sees the loop through infra.combine.Loop, never the Trainer
     watch        infra.observers     the watchdog, goodput, progress, MLflow, the sample trace: told what happens
 
 Every flag is in `TrainingArguments`, one flat command line and YAML, made of the sections those
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -36,11 +37,9 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
-from infra import stopped
 from infra.arguments import TrainingArguments
 from infra.checkpoint import (
     CheckpointError,
@@ -49,41 +48,33 @@ from infra.checkpoint import (
     SaveClock,
     manifest_of,
 )
-from infra.checkpoint.trainable import has_frozen_parameters, keep_trainable_only
 from infra.combine import Combine, EngineSum
-from infra.companions import companion_parameters, prepare_companions
 from infra.consensus import Agreement, StepConsensus
-from infra.data import Data, DataArguments, SampleTrace, eval_batches
-from infra.data.errors import DataError
+from infra.data import DataArguments, SampleTrace, eval_batches
 from infra.data.steps import EvenShares, Micro, SplitShares
-from infra.data.stream import named_parts, training_stream
-from infra.distributed import LaunchError, ready_for_fsdp, resharded
+from infra.data.stream import named_parts
+from infra.distributed import LaunchError, resharded
 from infra.environment import environment_facts
 from infra.export import Exporter
 from infra.goodput import Goodput, summary
 from infra.guard import NonFiniteGuard
 from infra.hangs import Watchdog, log_forensics, roster
-from infra.health import StragglerDetector, Window, deeper
+from infra.health import StragglerDetector
 from infra.hooks import Hooks
-from infra.job import Batch, Job, LossOutput
-from infra.leave import MIN_MACHINES_ENV, end_launcher, in_job_problem, restarts_left, standing
-from infra.levers import checkpoint_activations, compile_blocks
-from infra.lock import claim
-from infra.lora import check_engine
-from infra.memory import Setup, Shape, sample_caps
+from infra.job import Batch, Job, LossOutput, attention_of
+from infra.leave import leave_out, part_ways
+from infra.memory import Setup, sample_caps
 from infra.metrics import EtaCheck, TrainMetrics
 from infra.observers import Observers
-from infra.optim import build_optimizer, build_scheduler
 from infra.preemption import Preemption
 from infra.preflight import run_preflight
-from infra.recipe import attention_of
-from infra.reduction import sum_in_rank_order
-from infra.replay import Passes, Replays, replay_problem
-from infra.sdc import Copies, Mismatch, describe, sdc_problem
-from infra.shares import KeepingUp, Seat, Speeds, rebalanced
-from infra.stopped import Reason, Stop
+from infra.prepare import prepare, refuse_or_claim
+from infra.rebalance import Rebalancing
+from infra.replay import Passes, Replays
+from infra.sdc import Copies, Mismatch, describe
+from infra.shares import Seat
+from infra.stopped import Reason, Stop, write_record
 from infra.tracking import MetricLogger, end_run, last_logged_step, run_name_for, run_tags, start_run, tracking_uri
-from infra.zero_step import defer_zero_step
 
 
 class TrainState:
@@ -116,15 +107,6 @@ class StepResult:
     preempted: str | None  # the signal (SIGTERM or SIGUSR1) that reached some rank
 
 
-def job_shape(job: Job, args: TrainingArguments) -> Shape | None:
-    """What the memory estimate needs of the job: token models with a transformers config (None otherwise: images)."""
-    config = getattr(job.model, "config", None)
-    if job.unit != "tokens" or not all(hasattr(config, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads")):
-        return None
-    shape = Shape.of(job.model, args.per_device_train_batch_size, job.units_per_sample, causal_lm=job.task == "text-generation")
-    return replace(shape, companions=companion_parameters(job.companions))
-
-
 def samples_in(batch: Batch) -> int:
     return len(next(iter(batch.values())) if isinstance(batch, dict) else batch)
 
@@ -133,24 +115,6 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
     if isinstance(batch, dict):
         return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     return batch.to(device, non_blocking=True)
-
-
-def build_loader(accelerator: Accelerator, data: Data, data_args: DataArguments, args: TrainingArguments):
-    """This rank's resumable loader over the training samples (one dataset, or a mixture of several), and its cursor."""
-    acc = accelerator
-    stream = training_stream(
-        data.train,
-        data.mixture,
-        data_args,
-        args.per_device_train_batch_size,
-        args.seed,
-        acc.process_index,
-        acc.num_processes,
-        pin_memory=acc.device.type == "cuda",
-    )
-    if 0 < len(data.held_out) < acc.num_processes:
-        raise DataError(f"eval_samples={len(data.held_out)} is fewer than the {acc.num_processes} processes evaluating it")
-    return stream
 
 
 class Trainer:
@@ -170,30 +134,9 @@ class Trainer:
         self.args, self.data_args, self.config, self.job = args, data_args, config, job
         self.hooks = hooks or Hooks()
         self.combine = combine or EngineSum()
-        # a refusal here (LaunchError) leaves nothing on disk, not even the lock
-        checkpoint_activations(acc, job.model, args.gradient_checkpointing)
-        why = check_engine(acc, job.model) or sdc_problem(acc, args.sdc_action)
-        if why := why or replay_problem(acc, args.sdc_replay, args.fault_tolerance):
-            raise LaunchError(why)
-        claim(acc, self.own_dir)  # one job per output_dir: before anything is written, held to the end
-        if acc.is_main_process:
-            stopped.clear(self.own_dir)
-        if job.prepare_data is not None:  # it writes into its own folder: only under the lock
-            job.data = job.prepare_data(self.own_dir)
-        ready_for_fsdp(acc, job.model)  # before the optimizer takes the parameters
-        compile_blocks(acc, job.model, args)  # in place, before DDP wraps it (DeepSpeed and FSDP: by accelerate in prepare)
-        optimizer = build_optimizer(job.model, args)
-        self.shape = job_shape(job, args)  # before prepare shards it
-        self.loader, self.cursor = build_loader(acc, job.data, data_args, args)
-        self.loader.on_read = self.hooks.on_read  # a test's slow disk, where the batches are read (a read-ahead's thread)
-        self.model, self.optimizer = acc.prepare(job.model, optimizer)
-        sum_in_rank_order(self.model, args.gradient_sum)  # DDP: one order of summation at every step of every launch
-        self.optimizer = defer_zero_step(acc, self.optimizer)  # ZeRO: its step after the agreement (infra.zero_step)
-        if has_frozen_parameters(acc):  # LoRA: checkpoints hold the adapter (and its optimizer state) only
-            keep_trainable_only(acc)
-        for line in prepare_companions(acc, job.companions):  # frozen models beside it: placed, sharded, never saved
-            acc.print(line)
-        self.scheduler = acc.prepare_scheduler(build_scheduler(self.optimizer, args, args.max_steps))
+        refuse_or_claim(acc, args, job, self.own_dir)  # a refusal leaves nothing on disk; then this job's alone
+        ready = prepare(acc, args, data_args, job, self.hooks)  # the order accelerate and the engines need
+        self.model, self.optimizer, self.scheduler, self.loader, self.cursor, self.shape = ready
         self.shares = self.shares_of(self.loader)
         self.units_per_step = self.shares.samples_per_step * job.units_per_sample
 
@@ -218,17 +161,16 @@ class Trainer:
         self.replays = Replays(acc, args.sdc_replay, args.sdc_spike_factor, args.fault_tolerance, self.copies.named)
         sources = [s.name for s in job.data.mixture.sources] if job.data.mixture and job.per_sample_losses else []
         self.metrics = TrainMetrics(acc, job.unit, job.flops_per_unit, compiled=args.torch_compile, sources=sources)
-        peers = roster(acc)
+        self.peers = peers = roster(acc)  # each rank's host and addresses
         watchdog = Watchdog(acc, self.own_dir, args.ddp_timeout, args.ddp_step_timeout, peers)
         self.watch = Observers(watchdog, Goodput(self.own_dir, acc.is_main_process), acc.is_main_process)
         hosts = [p.host for p in peers]
         window, factor, patience = args.straggler_window_steps, args.straggler_factor, args.straggler_patience
         self.stragglers = StragglerDetector(acc, self.model, hosts, window, factor, patience)
-        self.speeds = Speeds(acc.num_processes)  # what rebalancing learns of each rank's speed, window after window
-        self.keeping_up = KeepingUp(acc.num_processes, args.straggler_leave_factor, patience, args.straggler_min_samples)
         # what each rank's memory holds: its cap (replica groups are rebalanced as wholes, by their number of micro-batches)
         rebalancing = args.straggler_action == "rebalance" and args.fault_tolerance != "replicas" and self.shape is not None
-        self.caps = sample_caps(acc, self.model, self.shape, Setup.of(acc, args.gradient_checkpointing)) if rebalancing else None
+        caps = sample_caps(acc, self.model, self.shape, Setup.of(acc, args.gradient_checkpointing)) if rebalancing else None
+        self.rebalancing = Rebalancing(args, hosts, caps, self.watch)  # its speeds learnt are in every checkpoint
         # set by resume(): they depend on the checkpoint resumed from
         self.run_id: str | None = None
         self.latest: dict[str, float] = {}  # the latest of each metric, eval included: checkpoints and keep_best read them
@@ -321,7 +263,7 @@ class Trainer:
             return 0
         self.resume(save_seconds)
         stop = None
-        with self.preemption.armed(), self.watch.watchdog.explaining():
+        with self.preemption.armed(), self.watch.explaining():
             while state.step < args.max_steps and stop is None:
                 result = self.step()
                 self.after_step(result)
@@ -386,7 +328,7 @@ class Trainer:
             )
             if acc.is_main_process:
                 self.log_forensics()
-                self.watch.watchdog.on_exit = lambda line: self.log_forensics()  # a surviving rank 0 logs its own at once
+                self.watch.on_lost_peer(lambda line: self.log_forensics())  # a surviving rank 0 logs its own at once
         # steps logged after the checkpoint and before a crash come again, identical: not twice in the run
         tracker = MetricLogger(self.run_id, f"{self.own_dir}/unsent_metrics.jsonl", logged_through=last_logged_step(self.run_id))
         acc.print(self.start_line(path))
@@ -417,7 +359,7 @@ class Trainer:
             self.cursor.load_state_dict(manifest["cursor"])  # DataError: a data_mixture other than the checkpoint's, say
             if line := self.shares.load_state_dict(manifest.get("shares")):
                 self.accelerator.print(line)
-            self.speeds.load_state_dict(manifest.get("speeds"))
+            self.rebalancing.load_state_dict(manifest.get("speeds"))
             self.hooks.on_state("resumed", state.step, self.model, self.optimizer)
         return path, manifest
 
@@ -679,7 +621,7 @@ class Trainer:
         if window is not None:
             self.watch.log(window.ratios, step=self.state.step)
             if self.args.straggler_action == "rebalance" and self.args.fault_tolerance != "replicas":  # groups: QuorumSum's
-                behind = self.rebalance(window)
+                behind = self.rebalancing.window(window, self.shares, self.state.step)
             if window.report:
                 self.watch.say(window.report)
         if result.preempted:
@@ -696,59 +638,9 @@ class Trainer:
         return None
 
     def leave_out(self, ranks, reason: Reason = Reason.STRAGGLER) -> Stop:
-        """The stop that leaves the hosts of `ranks` out (a straggler; `sdc`: a machine that computes wrong): in-job where
-        the launch is elastic and can go on without them, else by a stop for the scheduler (infra.leave). Its line says
-        which, and why not in-job."""
-        hosts = sorted({self.stragglers.hosts[rank] for rank in ranks})
-        acc = self.accelerator
-        standings = [standing()] if acc.num_processes == 1 else gather_object([standing()])  # each rank's own view
-        problem = in_job_problem(self.watch.watchdog.peers, hosts, standings, self.args.fault_tolerance == "replicas")
-        if problem is None:
-            self.watch.say(f"{reason}: {', '.join(hosts)} will leave the job; the others go on without it from this step")
-        elif MIN_MACHINES_ENV in os.environ:  # asked for elastic size: say why not this time
-            self.watch.say(f"{reason}: the job cannot go on without {', '.join(hosts)} in this launch: {problem}")
-        return Stop(reason, hosts=tuple(hosts), in_job=problem is None)
-
-    def rebalance(self, window: Window) -> dict[int, str]:
-        """Each process's share of every micro-step after its speed, when that shortens the step (infra.shares.rebalanced):
-        the same decision on every rank, from the same gathered numbers. Its line, and each process's share (shares/rank_i,
-        the samples of a micro-step) every window. Returns the ranks it cannot keep up with (infra.shares.KeepingUp), each
-        named in a line: the job leaves them out."""
-        self.speeds.measured(window.sizes, window.seconds)
-        behind = self.keeping_up.behind(self.speeds, window.sizes, window.slow)
-        for rank, why in behind.items():
-            self.watch.say(f"straggler: rank {rank} on {self.stragglers.hosts[rank]} cannot be kept up with: {why}; left out")
-        if self.args.straggler_read_ahead:
-            self.read_further(window)
-        now = self.shares.sizes(ahead=True)
-        sizes = rebalanced(now, self.speeds, self.args.straggler_min_samples, caps=self.caps)
-        if sizes is not None:
-            steps = self.shares.resize(sizes)
-            hosts, per_sample = self.stragglers.hosts, self.speeds.per_sample
-            was = ", ".join(
-                f"rank {r} on {hosts[r]} {a} -> {b} ({t * 1000:.1f} ms a sample)"
-                for r, (a, b, t) in enumerate(zip(now, sizes, per_sample, strict=True))
-            )
-            self.watch.say(f"rebalanced: each micro-step's {sum(sizes)} samples from step {self.state.step + steps + 1}: {was}")
-            now = sizes
-        self.watch.log({f"shares/rank_{r}": float(size) for r, size in enumerate(now)}, step=self.state.step)
-        return behind
-
-    def read_further(self, window: Window) -> None:
-        """A process slow at its data (a slow disk) reads ahead in a thread (infra.health.deeper): the same decision on
-        every rank, from the same gathered numbers, before a change of the shares counts what the loaders read ahead."""
-        depths = deeper(self.shares.depths, window.waits, window.seconds, self.args.gradient_accumulation_steps)
-        if depths is None:
-            return
-        hosts = self.stragglers.hosts
-        for rank, (old, new) in enumerate(zip(self.shares.depths, depths, strict=True)):
-            if new != old:
-                wait, time = window.waits[rank], window.seconds[rank]
-                self.watch.say(
-                    f"read-ahead: rank {rank} on {hosts[rank]} waited {wait * 1000:.1f} ms for its data a micro-batch "
-                    f"({wait / time:.0%} of its time): its loader reads {new} micro-batches ahead from step {self.state.step + 1}"
-                )
-        self.shares.read_further(depths)
+        """The stop that leaves the hosts of `ranks` out (infra.leave)."""
+        replicas = self.args.fault_tolerance == "replicas"
+        return leave_out(self.accelerator, self.peers, ranks, reason, replicas, self.watch.say)
 
     def check_copies(self) -> Mismatch | None:
         """The copies of the state the processes hold identically, compared (infra.sdc); the counts logged."""
@@ -817,8 +709,8 @@ class Trainer:
         # a copy of the metrics: a background save writes its manifest later, while the loop goes on updating them
         facts = {**state.state_dict(), "cursor": self.cursor.state_dict(), "metrics": dict(self.latest), "mlflow_run_id": self.run_id}
         facts["shares"] = self.shares.state_dict()  # each process's samples of every micro-step (rebalanced or even)
-        facts["speeds"] = self.speeds.state_dict()  # what rebalancing has learnt of each process's speed
-        facts["goodput"] = self.watch.goodput.ledger()  # the time history of these weights (infra.goodput)
+        facts["speeds"] = self.rebalancing.state_dict()  # what rebalancing has learnt of each process's speed
+        facts["goodput"] = self.watch.ledger()  # the time history of these weights (infra.goodput)
         facts["companions"] = {name: c.source for name, c in self.job.companions.items()}  # not saved: rebuilt from these
         try:
             with self.watch.stalled("checkpoint"):  # a long synchronous save is not a hang
@@ -826,7 +718,7 @@ class Trainer:
         except CheckpointError as err:  # a full disk, say: the run stops rather than train on with nothing saved
             if self.accelerator.is_main_process:
                 with contextlib.suppress(OSError):  # the disk may be too full even for the record
-                    stopped.write(self.own_dir, state.step, Stop(Reason.SAVE_FAILED, error=str(err)))
+                    write_record(self.own_dir, state.step, Stop(Reason.SAVE_FAILED, error=str(err)))
             raise
         seconds = time.perf_counter() - start
         self.hooks.on_state("saved", state.step, self.model, self.optimizer)
@@ -855,7 +747,7 @@ class Trainer:
         self.shares.close()
         if stop is not None:
             if acc.is_main_process and not stop.in_job:
-                stopped.write(self.own_dir, state.step, stop)
+                write_record(self.own_dir, state.step, stop)
             acc.print(stop.line(state.step))
         self.checkpoints.close()  # the last upload done
         goodput = self.watch.closed(state.step, finished=stop is None)
@@ -865,21 +757,7 @@ class Trainer:
         acc.print(summary(goodput))
         code = stop.exit_code if stop is not None else 0
         if code:
-            self.part_ways(stop, code)
+            rank = self.accelerator.process_index
+            part_ways(rank, self.peers[rank].host, stop)
         acc.end_training()
         return code
-
-    def part_ways(self, stop: Stop, code: int) -> None:
-        """After a stop to leave hosts out (a straggler, a machine that computes wrong), the launchers (infra.leave): in-job,
-        a leaving host's ends (and its agent), and the others' agents restart without it once it is gone; else, with
-        in-job restarts left, every launcher ends with `code`, rather than start that host again."""
-        rank = self.accelerator.process_index
-        host, hosts = self.stragglers.hosts[rank], " and ".join(stop.hosts)
-        if not stop.in_job:
-            if restarts_left() > 0:
-                end_launcher(rank, code, f"the job stopped to leave {hosts} out: exiting with code {code}")
-        elif host in stop.hosts:
-            end_launcher(rank, code, f"{host} leaves the job, which goes on without it: exiting with code {code}")
-        else:
-            with contextlib.suppress(Exception):  # broken once the leaving ranks are gone: then this agent may restart
-                torch.distributed.barrier()

@@ -256,7 +256,7 @@ def test_attention_kernels_give_the_same_model(tiny_data):
 
     from transformers import AutoTokenizer
 
-    from infra.recipe import attention_of
+    from infra.job import attention_of
 
     sys.path.insert(0, str(REPO / "recipes"))
     from pretrain_clm import ModelArguments, build_model

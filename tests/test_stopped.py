@@ -90,20 +90,20 @@ CASES = [
 
 @pytest.mark.parametrize(("stop", "record", "code", "line", "action"), CASES)
 def test_each_stop_has_its_record_exit_code_line_and_scheduler_action(tmp_path, stop, record, code, line, action):
-    stopped.write(tmp_path, STEP, stop)
+    stopped.write_record(tmp_path, STEP, stop)
     path = tmp_path / stopped.STOP_RECORD
     assert json.loads(path.read_text()) == record
-    assert stopped.read(path) == (STEP, stop)  # read back whole, typed
+    assert stopped.read_record(path) == (STEP, stop)  # read back whole, typed
     assert stop.exit_code == code and stop.line(STEP) == line
     assert stopped.main([str(path)]) == 0
-    stopped.clear(tmp_path)
+    stopped.clear_record(tmp_path)
     assert not path.exists()
-    stopped.clear(tmp_path)  # nothing to clear: no error
+    stopped.clear_record(tmp_path)  # nothing to clear: no error
 
 
 def test_the_batch_script_reads_one_line_and_a_damaged_record_is_one_line_and_exit_2(tmp_path):
     path = tmp_path / stopped.STOP_RECORD
-    stopped.write(tmp_path, STEP, CASES[3][0])
+    stopped.write_record(tmp_path, STEP, CASES[3][0])
     proc = subprocess.run([str(BIN / "python"), "-m", "infra.stopped", str(path)], cwd=REPO, capture_output=True, text=True)
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "without n3,n4 straggler\n", "")
     path.write_text('{"step": 3, "reason": "tired"}')
@@ -118,7 +118,7 @@ def test_a_newer_writers_fields_are_ignored_when_read():
 
 def test_the_first_rank_to_record_the_stop_wins(tmp_path):
     first = Stop(Reason.PEER_LOST, seen_by={"rank": 0})
-    assert stopped.write_first(tmp_path, 7, first)
-    assert not stopped.write_first(tmp_path, 7, first.also(seen_by={"rank": 1}))
+    assert stopped.write_first_record(tmp_path, 7, first)
+    assert not stopped.write_first_record(tmp_path, 7, first.also(seen_by={"rank": 1}))
     assert json.loads((tmp_path / "stopped.json").read_text())["seen_by"] == {"rank": 0}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stopped.json"]

@@ -28,7 +28,7 @@ from infra.health import DesyncError
 from infra.replicas.copies import GroupCopies
 from infra.replicas.pace import Decision, GroupPace
 from infra.replicas.quorum import ReplicaGroup, as_parts, digest, from_part
-from infra.shares import Seat
+from infra.shares import Seat, rebalanced_line
 from infra.stopped import Reason, Stop
 
 
@@ -217,11 +217,8 @@ class QuorumSum:
             return f"group {g}{' (this one)' if g == seat.rank else ''}"
 
         if decision.after != decision.before and step < self.args.max_steps:
-            was = ", ".join(
-                f"{name(g)} {a} -> {b} ({t * 1000:.1f} ms a sample)"
-                for g, (a, b, t) in enumerate(zip(decision.before, decision.after, decision.per_sample, strict=True))
-            )
-            self.say(f"rebalanced: the step's {sum(decision.after)} samples among the training groups from step {step + 1}: {was}")
+            what, names = f"the step's {sum(decision.after)} samples among the training groups", map(name, range(len(decision.after)))
+            self.say(rebalanced_line(what, list(names), decision.before, decision.after, decision.per_sample, step + 1))
         left = len(decision.behind)
         for g, why in decision.behind.items():
             if seat.size - left < self.args.min_replicas:
