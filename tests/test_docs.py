@@ -48,3 +48,15 @@ def test_every_link_leads_somewhere(doc):
         if not path.exists() or (anchor and path.suffix == ".md" and anchor not in anchors(path)):
             broken.append(target)
     assert not broken, broken
+
+
+def test_every_module_of_infra_is_on_the_architecture_map():
+    """docs/architecture.md names each file of infra/ (a package's folder, infra/replicas/ say, names its files)."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    missing = []
+    for path in sorted((REPO / "infra").rglob("*.py")):
+        name = path.relative_to(REPO).as_posix()
+        folder = path.parent.relative_to(REPO).as_posix() + "/"
+        if path.name not in ("__init__.py", "__main__.py") and name not in text and f"`{folder}`" not in text:
+            missing.append(name)
+    assert not missing, f"not on the map of docs/architecture.md: {missing}"
