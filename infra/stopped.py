@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+from infra.errors import USAGE_EXIT_CODE, ToolParser
 from infra.files import atomic_write_text, fsync_dir
 
 STOP_RECORD = "stopped.json"
@@ -150,16 +151,20 @@ def read_record(path: str | os.PathLike) -> tuple[int, Stop]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m infra.stopped FILE`: one line for a batch script, `ACTION HOSTS` (hosts comma-separated, `-` for none)."""
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m infra.stopped OUTPUT_DIR/stopped.json", file=sys.stderr)
-        return 2
+    """`python -m infra.stopped FILE`: one line for a batch script, `ACTION HOSTS REASON` (hosts comma-separated, `-`
+    for none)."""
+    parser = ToolParser(
+        prog="python -m infra.stopped",
+        description="What a batch script does with a stop record, in one line: ACTION HOSTS REASON, the action "
+        "`without` (requeue without HOSTS), `requeue` or `stay`.",
+    )
+    parser.add_argument("record", metavar="FILE", help="the stop record, OUTPUT_DIR/stopped.json")
+    path = parser.parse_args(argv).record
     try:
-        _, stop = read_record(argv[0])
+        _, stop = read_record(path)
     except (OSError, ValueError, KeyError, TypeError) as err:
-        print(f"infra.stopped: {argv[0]} is not a stop record ({type(err).__name__}: {err})", file=sys.stderr)
-        return 2
+        print(f"{parser.prog}: {path} is not a stop record ({type(err).__name__}: {err})", file=sys.stderr)
+        return USAGE_EXIT_CODE
     action, hosts = stop.scheduler_action()
     print(action, ",".join(hosts) or "-", stop.reason.value)
     return 0

@@ -12,7 +12,16 @@ import pytest
 from tests.conftest import BIN, REPO, free_port
 
 RECIPES = sorted(p.name for p in (REPO / "recipes").glob("*.py"))
-TOOLS = ["infra.compare", "infra.export", "infra.launch", "infra.plan", "infra.data.prepare", "infra.data.tasks", "infra.replicas"]
+TOOLS = [
+    "infra.compare",
+    "infra.export",
+    "infra.launch",
+    "infra.plan",
+    "infra.data.prepare",
+    "infra.data.tasks",
+    "infra.replicas",
+    "infra.stopped",
+]
 
 
 def help_of(*argv: str) -> subprocess.CompletedProcess:
